@@ -1,0 +1,90 @@
+"""Run a function on N local gloo processes and collect each rank's return value.
+
+Used by the multi-process tests and the CPU benchmarks: real collectives over gloo, never stubs.
+`fn(rank, world_size, *args)` runs after `torch.distributed.init_process_group("gloo")`; its
+return value (anything picklable; tensors are fine) comes back in rank order. An exception on any
+rank is re-raised in the caller with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # report every failure, including SystemExit from a bad config
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 900.0) -> list[Any]:
+    """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return results by rank.
+
+    `fn` must be importable by name (a module-level function) because processes are spawned.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size and not errors:
+        try:
+            rank, ok, payload = queue.get(timeout=1.0)
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead:
+                errors.append(f"ranks {dead} died without a report (exit codes "
+                              f"{[procs[r].exitcode for r in dead]})")
+            elif time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
+            continue
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")  # peers may block in a collective
+    for p in procs:
+        p.join(timeout=5 if errors else timeout)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"distributed workers exited with codes {bad}")
+    return [results[r] for r in range(world_size)]
