@@ -1,0 +1,18 @@
+"""Version-guarded patches to upstream packages; `apply_all()` installs the ones this machine needs.
+
+Each patch module has `SUPPORTED` versions and `apply(version=None)`, which refuses any other
+version with a message naming the supported one. The CPU layer for megatron-core is applied
+only where CUDA is absent; the mbridge fixes always (one of them is a correctness bug on GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_all() -> None:
+    from patches import mbridge_fixes, megatron_cpu
+
+    if not torch.cuda.is_available():
+        megatron_cpu.apply()
+    mbridge_fixes.apply()

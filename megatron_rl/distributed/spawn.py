@@ -8,6 +8,7 @@ rank is re-raised in the caller with that rank's traceback.
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
@@ -15,6 +16,7 @@ import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -37,7 +39,11 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise with torch.save: tensors sent through the queue as-is would be shared-memory
+        # handles that die with this process.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report every failure, including SystemExit from a bad config
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -74,7 +80,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
             continue
         if ok:
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")  # peers may block in a collective
     for p in procs:

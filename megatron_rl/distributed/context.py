@@ -1,0 +1,167 @@
+"""Process-group setup: the one place that reads the launcher's environment and Megatron's globals.
+
+`init_distributed` reads torchrun (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT) or
+Slurm (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, MASTER_ADDR from the first host of
+SLURM_JOB_NODELIST) variables, starts torch.distributed (NCCL with CUDA, gloo otherwise),
+initialises Megatron's parallel state from the ParallelConfig and returns a `ParallelContext`
+holding the explicit process groups. Everything downstream receives groups from that object.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import ParallelConfig
+
+
+@dataclass
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a Slurm node list, via scontrol when present ("node[01-04]" -> node01)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, check=True, timeout=30).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    m = re.match(r"([^\[,]+)(?:\[(\d+)[^\]]*\])?", nodelist)
+    if not m:
+        raise RuntimeError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}")
+    return m.group(1) + (m.group(2) or "")
+
+
+def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
+    """Rank layout from torchrun's variables, else Slurm's, else a single process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "localhost"))
+        # A port derived from the job id keeps concurrent jobs on one node apart.
+        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                         int(env.get("SLURM_LOCALID", 0)), addr, port)
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+
+
+@dataclass
+class ParallelContext:
+    """Ranks, sizes and explicit process groups of this process. Pass it (or its groups) down."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    tp: int
+    pp: int
+    vpp: Optional[int]
+    ep: int
+    etp: int
+    dp: int
+    sequence_parallel: bool
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int
+    etp_rank: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup  # dense params' data-parallel group
+    ep_group: dist.ProcessGroup
+    etp_group: dist.ProcessGroup
+    expert_dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup  # tensor x pipeline (model-parallel) group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} "
+                f"ep={self.ep} etp={self.etp} sp={self.sequence_parallel} device={self.device.type}")
+
+
+def layout_sizes(cfg: ParallelConfig, world_size: int) -> dict:
+    """Validate a layout against the world size; return tp, pp, vpp, ep, etp, dp, sp."""
+    tp, pp, ep = cfg.tp, cfg.pp, cfg.ep
+    etp = cfg.etp or 1
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    dp = world_size // (tp * pp)
+    if world_size % (etp * ep * pp):
+        raise ValueError(f"world size {world_size} is not divisible by etp*ep*pp = {etp}*{ep}*{pp}")
+    if cfg.vpp is not None and cfg.vpp > 1 and pp == 1:
+        raise ValueError("parallel.vpp needs parallel.pp > 1")
+    sp = (tp > 1) if cfg.sequence_parallel is None else bool(cfg.sequence_parallel)
+    if sp and tp == 1:
+        sp = False
+    vpp = cfg.vpp if cfg.vpp and cfg.vpp > 1 else None
+    return dict(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
+
+
+def init_distributed(cfg: ParallelConfig, timeout_s: int = 1800) -> ParallelContext:
+    """Start torch.distributed (if not started) and Megatron's parallel state; return the context."""
+    import patches
+
+    patches.apply_all()
+    from megatron.core import parallel_state as mpu
+
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        env = read_launch_env()
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        if cuda:
+            torch.cuda.set_device(env.local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
+                                world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    world = dist.get_world_size()
+    s = layout_sizes(cfg, world)
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=s["tp"],
+        pipeline_model_parallel_size=s["pp"],
+        virtual_pipeline_model_parallel_size=s["vpp"],
+        expert_model_parallel_size=s["ep"],
+        expert_tensor_parallel_size=s["etp"],
+    )
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        tp=s["tp"], pp=s["pp"], vpp=s["vpp"], ep=s["ep"], etp=s["etp"], dp=s["dp"],
+        sequence_parallel=s["sequence_parallel"],
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        tp_group=mpu.get_tensor_model_parallel_group(),
+        pp_group=mpu.get_pipeline_model_parallel_group(),
+        dp_group=mpu.get_data_parallel_group(),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        etp_group=mpu.get_expert_tensor_parallel_group(),
+        expert_dp_group=mpu.get_expert_data_parallel_group(),
+        mp_group=mpu.get_model_parallel_group(),
+    )

@@ -1,0 +1,217 @@
+"""The Megatron-Core learner: model chunks, DDP, optimizer, and train / forward-only steps.
+
+Megatron owns micro-batching, pipeline scheduling and gradient accumulation: `train_step` builds
+micro-batches, hands `forward_step` to `get_forward_backward_func()` (plain or interleaved 1F1B)
+and steps Megatron's optimizer. Loss closures plug in from outside (RL losses later):
+
+    loss_fn(logits_BSV, mb, tp_group, vocab_size) -> (loss, metrics)
+
+`logits_BSV` is this rank's vocab shard [b, s, V/TP] of the padded vocab, `mb` the micro-batch dict
+(tensors [b, s] plus any extra per-token fields the caller put into the batch), `loss` a scalar
+already divided by the *global* normaliser (every rank sees the whole global batch, so the
+normaliser is computed once, before micro-batching), and `metrics` a dict of scalar tensors that
+are summed over micro-batches and data-parallel ranks. Because losses are pre-normalised,
+Megatron runs with `calculate_per_token_loss` and the grad finaliser does not rescale: the loss
+and its gradients do not depend on the TP/PP/DP/micro-batch layout.
+
+Batch layout: `input_ids`, `labels` (the token each position predicts), `loss_mask` (float),
+all [B, S], right-padded; positions are 0..S-1.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.distributed.context import ParallelContext
+from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
+from megatron_rl.models.bridge import (
+    build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
+)
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def _finalize_without_rescale(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    # Losses arrive pre-normalised by global counts, so skip Megatron's 1/num_tokens scaling.
+    from megatron.core.distributed import finalize_model_grads
+
+    return finalize_model_grads(model, None, pg_collection=pg_collection,
+                                force_all_reduce=force_all_reduce)
+
+
+class Learner:
+    """Megatron GPTModel chunks + DDP + optimizer for one parallel layout."""
+
+    def __init__(self, cfg: JobConfig, ctx: ParallelContext, run_dir: str, total_steps: int = 1):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
+
+        self.cfg, self.ctx = cfg, ctx
+        model_parallel_cuda_manual_seed(cfg.model.seed)
+        self.hf_path = resolve_hf_path(cfg.model, run_dir)
+        self.bridge = make_bridge(self.hf_path, cfg.model, ctx)
+        chunks = build_model_chunks(self.bridge, ctx)
+        load_hf_weights(self.bridge, chunks, self.hf_path)
+        self.config = chunks[0].config
+        self.dtype = resolve_dtype(cfg.model.dtype)
+        if self.dtype != torch.float32:
+            chunks = [Float16Module(self.config, c) for c in chunks]
+        self.vocab_size = self.bridge.hf_config.vocab_size
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        self.model = [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c,
+                                    disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
+        self.config.finalize_model_grads_func = _finalize_without_rescale
+        no_sync = [m.no_sync for m in self.model]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+        o = cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
+                params_dtype=self.dtype, use_distributed_optimizer=o.use_distributed_optimizer,
+            ),
+            self.model,
+        )
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr,
+            min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=max(o.lr_decay_steps or total_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # batches
+    # ------------------------------------------------------------------------------------------
+    def _local_micro_batches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
+        """This DP rank's contiguous slice of the global batch, padded and cut into micro-batches."""
+        B = batch["input_ids"].shape[0]
+        dp, mbs = self.ctx.dp, self.cfg.learner.micro_batch_size
+        if B % (dp * mbs):
+            raise ValueError(f"global batch of {B} sequences is not divisible by dp*micro_batch_size "
+                             f"= {dp}*{mbs}")
+        per_rank = B // dp
+        lo = self.ctx.dp_rank * per_rank
+        S = batch["input_ids"].shape[1]
+        mult = self.cfg.learner.pad_to_multiple_of * (self.ctx.tp if self.ctx.sequence_parallel else 1)
+        S_pad = -(-S // mult) * mult
+        mbs_list = []
+        for start in range(lo, lo + per_rank, mbs):
+            mb = {}
+            for k, v in batch.items():
+                v = v[start:start + mbs]
+                if v.dim() >= 2 and v.shape[1] == S and S_pad != S:
+                    pad = v.new_zeros((v.shape[0], S_pad - S, *v.shape[2:]))
+                    v = torch.cat([v, pad], dim=1)
+                mb[k] = v.to(self.ctx.device)
+            mb["position_ids"] = torch.arange(S_pad, device=self.ctx.device).expand(mb["input_ids"].shape[0], -1)
+            mbs_list.append(mb)
+        return mbs_list, S_pad
+
+    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        micro_batches, S = self._local_micro_batches(batch)
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb["input_ids"], mb["position_ids"], None)
+            return output, partial(self._loss_closure, loss_fn, mb)
+
+        iters = [iter(micro_batches) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=S,
+            micro_batch_size=self.cfg.learner.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def _loss_closure(self, loss_fn: LossFn, mb: dict, logits_BSV: torch.Tensor):
+        loss, metrics = loss_fn(logits_BSV, mb, tp_group=self.ctx.tp_group, vocab_size=self.vocab_size)
+        # (loss, num_tokens, reduced): the 3-tuple form keeps Megatron from averaging over
+        # micro-batches; our finaliser ignores num_tokens.
+        return loss, torch.ones((), dtype=torch.int), metrics
+
+    def _reduce_metrics(self, per_mb: list[dict]) -> dict[str, float]:
+        """Sum metric dicts over micro-batches and DP ranks; every rank returns the same values."""
+        # Only the last pipeline stage has metrics: broadcast their names, then their values.
+        keys = sorted(per_mb[0]) if per_mb else []
+        src = dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1)
+        names = [keys]
+        dist.broadcast_object_list(names, src=src, group=self.ctx.pp_group)
+        keys = names[0]
+        vals = torch.zeros(len(keys), dtype=torch.float64, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            for i, k in enumerate(keys):
+                vals[i] = sum(float(m[k].detach()) for m in per_mb)
+            dist.all_reduce(vals, group=self.ctx.dp_group)
+        dist.broadcast(vals, src=src, group=self.ctx.pp_group)
+        return {k: float(v) for k, v in zip(keys, vals.tolist())}
+
+    # ------------------------------------------------------------------------------------------
+    # public steps
+    # ------------------------------------------------------------------------------------------
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: Optional[LossFn] = None) -> dict[str, float]:
+        """One optimizer step on a global batch (every rank passes the same batch)."""
+        loss_fn = loss_fn or partial(masked_nll_loss, denom=float(batch["loss_mask"].sum().clamp(min=1)))
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_mb = self._run(batch, loss_fn, forward_only=False)
+        metrics = self._reduce_metrics(per_mb)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=self.optimizer.param_groups[0]["lr"], update_skipped=float(not ok))
+        return metrics
+
+    @torch.no_grad()
+    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank."""
+        for m in self.model:
+            m.eval()
+
+        def collect(logits_BSV, mb, tp_group, vocab_size):
+            logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
+            return logits_BSV.new_zeros(()), {"logp": logp}
+
+        per_mb = self._run(batch, collect, forward_only=True)
+        B, S = batch["input_ids"].shape
+        local = torch.zeros(B // self.ctx.dp, S, dtype=torch.float32, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            local = torch.cat([m["logp"] for m in per_mb])[:, :S].float()
+        gathered = [torch.empty_like(local) for _ in range(self.ctx.dp)]
+        dist.all_gather(gathered, local, group=self.ctx.dp_group)
+        out = torch.cat(gathered)
+        dist.broadcast(out, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1),
+                       group=self.ctx.pp_group)
+        return out
+
+    def export_hf_weights(self):
+        """(HF name, tensor) for every weight; a collective every model-parallel rank iterates."""
+        return self.bridge.export_weights(self.model)

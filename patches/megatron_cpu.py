@@ -1,0 +1,263 @@
+"""Run megatron-core on CPU over gloo: the compatibility layer for machines without CUDA.
+
+megatron-core assumes CUDA in a handful of places that have nothing to do with the maths:
+`torch.cuda.current_device()` used as a device argument, literal `device="cuda"` in the pipeline
+schedules, CUDA RNG state in the model-parallel RNG tracker, CUDA streams/events in the MoE
+dispatcher, CUDA tensor type names in optimizer asserts, NCCL-only collectives. This module
+redirects exactly those, so the same Megatron code paths (GPTModel, DDP, the optimizer, the
+pipeline schedules, MoE dispatch) run on CPU with real gloo collectives. It is applied only when
+CUDA is absent; on GPU nodes nothing here is touched.
+
+Pieces (each needed by a code path the tests exercise):
+- torch.cuda.* shims: current_device -> "cpu", synchronize/empty_cache no-ops, Stream/Event
+  classes, rng get/set/seed mapped onto the CPU generator (on CPU the "CUDA" RNG that Megatron
+  forks for tensor-parallel dropout and recompute *is* the CPU generator);
+- a TorchFunctionMode that rewrites device="cuda" literals in factory calls, `.to`, `.cuda`;
+- `Tensor.type()` reporting torch.cuda.* names, for the optimizer's dtype asserts;
+- `moe_utils` fused TE names defined as None (megatron-core 0.16.1 reads them unguarded);
+- all-to-all split sizes as plain ints, and unequal all-gather / reduce-scatter emulated on gloo;
+- sequence parallelism for the torch norm: the parameters are marked `sequence_parallel` so
+  `finalize_model_grads` all-reduces their gradients across the TP group, as TE's norm would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from patches._guard import require_version
+
+SUPPORTED = ("0.16.1",)
+_applied = False
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda shims
+# --------------------------------------------------------------------------------------------
+class _Stream:
+    """Stands in for torch.cuda.Stream: work on CPU is synchronous, so every wait is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cuda_to_cpu(device):
+    """Map a CUDA device spec (str, int, torch.device) to "cpu"; leave anything else alone."""
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrite CUDA device arguments to CPU in every torch call (factory functions, `.to`, `.cuda`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_to_cpu(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _cuda_to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.device_count = lambda: 0
+    cuda.set_device = lambda *a, **k: None
+    cuda.Stream = _Stream
+    cuda.Event = _Event
+    cuda.current_stream = lambda *a, **k: _Stream()
+    cuda.default_stream = lambda *a, **k: _Stream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all, so seed the CPU generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    # Optimizer and grad-clip code assert on CUDA type names; report them for CPU float tensors.
+    orig_type = torch.Tensor.type
+
+    @functools.wraps(orig_type)
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        if dtype is None:
+            return orig_type(self)
+        return orig_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+
+# --------------------------------------------------------------------------------------------
+# megatron-core internals
+# --------------------------------------------------------------------------------------------
+class _DropForkedRngWarning(logging.Filter):
+    # With the "CUDA" RNG mapped onto the CPU generator, the tracker's check that the CPU state is
+    # untouched inside a fork always fires; the message is expected and says nothing here.
+    def filter(self, record):
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    logging.getLogger(mrandom.__name__).addFilter(_DropForkedRngWarning())
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def _patch_moe_utils() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in (
+        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+        "fused_permute_with_probs", "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+        "fused_unpermute", "te_general_gemm",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _patch_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    orig_gather = mappings._gather_along_first_dim
+    orig_reduce_scatter = mappings._reduce_scatter_along_first_dim
+    orig_all_to_all_single = dist.all_to_all_single
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1 or not _is_gloo(group):
+            return orig_gather(input_, group, output_split_sizes, use_global_buffer)
+        # gloo's all_gather needs equal sizes: pad every piece to the largest, gather, trim.
+        sizes = [int(s) for s in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(pieces, padded.contiguous(), group=group)
+        return torch.cat([p[:s] for p, s in zip(pieces, sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1 or not _is_gloo(group):
+            return orig_reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        # Unequal reduce-scatter on gloo: all-reduce everything, keep this rank's slice.
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(s) for s in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].clone()
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                          group=None, async_op=False):
+        # The MoE dispatcher passes split sizes as tensors or numpy ints; gloo wants Python ints.
+        to_list = lambda s: None if s is None else [int(x) for x in (s.tolist() if hasattr(s, "tolist") else s)]
+        return orig_all_to_all_single(output, input, to_list(output_split_sizes),
+                                      to_list(input_split_sizes), group=group, async_op=async_op)
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
+    dist.all_to_all_single = all_to_all_single
+
+
+def _patch_torch_norm() -> None:
+    """Let the torch norm run under sequence parallelism (its grads then need a TP all-reduce)."""
+    from megatron.core.transformer import torch_norm
+
+    orig_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False,
+            zero_centered_gamma=False, normalization="LayerNorm"):
+        sequence_parallel = config.sequence_parallel
+        if sequence_parallel:
+            # A shallow copy with SP off passes the upstream assert; dataclasses.replace would
+            # re-run TransformerConfig validation for nothing.
+            config = copy.copy(config)
+            object.__setattr__(config, "sequence_parallel", False)
+        norm = orig_new(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma,
+                        normalization)
+        for p in norm.parameters():
+            # finalize_model_grads sums grads of params marked sequence_parallel across TP ranks.
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+
+
+def apply(version: str | None = None) -> None:
+    """Install the CPU compatibility layer (idempotent). Refuses an unexpected megatron-core."""
+    global _applied
+    require_version("megatron-core", SUPPORTED, "megatron_cpu", version)
+    if _applied:
+        return
+    _patch_torch_cuda()
+    _patch_rng()
+    _patch_moe_utils()
+    _patch_collectives()
+    _patch_torch_norm()
+    CudaToCpuMode().__enter__()  # process-wide; never exited
+    _applied = True
