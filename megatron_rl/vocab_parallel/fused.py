@@ -1,0 +1,107 @@
+"""The learner's per-micro-batch entry point: everything about pi from one pass over the shard.
+
+For each token t of the local logit shard [T, V_l] it returns log pi(a_t) (with gradient), the
+entropy of pi (optional; with gradient only if asked) and the requested divergences between the
+rollout policy mu and pi (ALGORITHMS.md §1, formulas in `divergences.py`):
+    binary_tv, binary_kl  from mu(a_t) = exp(rollout_logp) and pi(a_t)
+    topk_tv, topk_kl      on S = {a_t} ∪ rollout top-K ids, each id once, plus the rest bucket
+The top-K variants only add K gathered logits per token to the pass that log pi(a_t) needs
+anyway (the sampled token is column 0 of the gathered ids), which is why they cost about what the
+log-prob pass costs; all partial sums travel in one all-reduce per token chunk.
+Divergences gate updates, so they are computed without autograd unless divergence_grad=True.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .divergences import binary_kl, binary_tv, topk_kl, topk_support, topk_tv
+from .logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
+
+__all__ = ["DIVERGENCES", "PolicyStats", "vocab_parallel_policy_stats"]
+
+DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+
+
+@dataclass(frozen=True)
+class PolicyStats:
+    """Per-token outputs, all shaped like the target ids [...] (fp32, or fp64 for fp64 logits)."""
+
+    logp: torch.Tensor  # log pi(a_t), differentiable w.r.t. the logits
+    entropy: torch.Tensor | None = None  # H(pi), differentiable only with entropy_grad=True
+    binary_tv: torch.Tensor | None = None
+    binary_kl: torch.Tensor | None = None  # KL(mu || pi)
+    topk_tv: torch.Tensor | None = None
+    topk_kl: torch.Tensor | None = None  # KL(mu || pi)
+
+    def divergence(self, name: str) -> torch.Tensor:
+        """The divergence called `name` (one of DIVERGENCES), which must have been requested."""
+        if name not in DIVERGENCES:
+            raise KeyError(f"unknown divergence {name!r}; valid: {', '.join(DIVERGENCES)}")
+        value = getattr(self, name)
+        if value is None:
+            raise KeyError(f"divergence {name!r} was not requested")
+        return value
+
+
+def vocab_parallel_policy_stats(
+    logits: torch.Tensor,
+    target_ids: torch.Tensor,
+    group=None,
+    *,
+    rollout_logp: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    topk_logp: torch.Tensor | None = None,
+    divergences: Sequence[str] = (),
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    divergence_grad: bool = False,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> PolicyStats:
+    """log pi(a_t), entropy and mu-vs-pi divergences from one pass over the local logit shard.
+
+    logits: [..., V_l] local vocab shard (Megatron layout; bf16/fp32/fp64); target_ids: [...] a_t.
+    rollout_logp: [...] log mu(a_t), needed by every divergence. topk_ids / topk_logp: [..., K]
+    rollout top-K of mu (global ids, negative = padding), needed by topk_tv / topk_kl.
+    group: the tensor-parallel group (None = one process with the whole vocabulary).
+    vocab_size: true vocabulary size; ids >= vocab_size are Megatron padding and excluded.
+    """
+    unknown = [d for d in divergences if d not in DIVERGENCES]
+    if unknown:
+        raise ValueError(f"unknown divergences {unknown}; valid: {', '.join(DIVERGENCES)}")
+    if divergences and rollout_logp is None:
+        raise ValueError(f"divergences {list(divergences)} need rollout_logp (log mu(a_t))")
+    need_topk = any(d.startswith("topk") for d in divergences)
+    if need_topk and (topk_ids is None or topk_logp is None):
+        raise ValueError("topk_tv / topk_kl need topk_ids and topk_logp from the rollout engine")
+    if need_topk:
+        ids, keep = topk_support(target_ids, topk_ids)  # column 0 is a_t
+    else:
+        ids, keep = target_ids[..., None].long(), None
+    logp_S, ent = vocab_parallel_log_probs_and_entropy(
+        logits, ids, group, temperature=temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size, with_entropy=with_entropy,
+    )
+    if ent is not None and not entropy_grad:
+        ent = ent.detach()
+    out: dict[str, torch.Tensor] = {}
+    if divergences:
+        pi_S = logp_S if divergence_grad else logp_S.detach()
+        with torch.set_grad_enabled(divergence_grad and torch.is_grad_enabled()):
+            pi_t = pi_S[..., 0]
+            if "binary_tv" in divergences:
+                out["binary_tv"] = binary_tv(rollout_logp, pi_t)
+            if "binary_kl" in divergences:
+                out["binary_kl"] = binary_kl(rollout_logp, pi_t)
+            if need_topk:
+                mu_S = torch.cat([rollout_logp[..., None], topk_logp], dim=-1)
+                if "topk_tv" in divergences:
+                    out["topk_tv"] = topk_tv(mu_S, pi_S, keep)
+                if "topk_kl" in divergences:
+                    out["topk_kl"] = topk_kl(mu_S, pi_S, keep)
+    return PolicyStats(logp=logp_S[..., 0], entropy=ent, **out)

@@ -1,0 +1,274 @@
+"""Log-probabilities of given ids and entropy from a vocab-sharded logit tensor, in one pass.
+
+Shapes: T tokens (all leading dims flattened), V the padded global vocabulary, V_l = V / TP the
+local shard width, J ids asked per token (1 for the sampled token; K + 1 for the top-K support).
+
+Math (x = raw logits, tau = temperature, alpha = 1 / tau, m = max_i x_i over the whole vocab):
+    z_i   = (x_i - m) * alpha                      (<= 0; the global max comes from an all-reduce MAX)
+    S     = sum_i exp(z_i)                         (local partial sums, all-reduce SUM)
+    lse   = m * alpha + log S                      (log-partition of x / tau)
+    log pi(j) = x_j * alpha - lse                  (x_j gathered on the shard that owns id j, SUM)
+    H     = -sum_i p_i log p_i = log S - W / S,  W = sum_i exp(z_i) z_i
+Backward (hand-written, recomputing p from the saved lse instead of storing a [T, V_l] softmax):
+    d log pi(j) / d x_i = (1[i = j] - p_i) * alpha
+    d H / d x_i         = -p_i (log p_i + H) * alpha
+
+Memory: one accumulation-dtype scratch buffer [chunk, V_l] per call (fp32 for bf16/fp16/fp32
+logits, fp64 for fp64), reused across token chunks; with entropy, a second temporary of at most
+chunk/16 rows. For fp32 logits the backward writes straight into the gradient tensor, so it needs
+no scratch at all. Padded vocabulary columns (global id >= vocab_size) are excluded (-inf); ids
+outside [0, vocab_size) get log-prob -inf and no gradient. Logits are assumed finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .shard import ShardInfo, all_reduce_, shard_info
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "temperature_scale",
+    "vocab_parallel_log_probs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_probs_and_entropy",
+]
+
+DEFAULT_CHUNK_SIZE = 1024
+_ENTROPY_SUBBLOCKS = 16  # entropy needs exp(z) and z at once: temporaries of chunk/16 rows
+
+
+def temperature_scale(logits: torch.Tensor, temperature: float, inplace: bool = False) -> torch.Tensor:
+    """logits / temperature (what every probability in ALGORITHMS.md is computed from)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if temperature == 1.0:
+        return logits
+    return logits.div_(temperature) if inplace else logits / temperature
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 stays fp64, everything else accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_chunk(chunk_size: int) -> int:
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return int(chunk_size)
+
+
+def _row_blocks(n: int, block: int):
+    for r0 in range(0, n, block):
+        yield r0, min(r0 + block, n)
+
+
+def _sumexp_and_w(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_i exp z_i, sum_i exp(z_i) z_i) per row, keeping z; temporaries of <= rows/16 rows."""
+    rows = z.shape[0]
+    s = z.new_empty(rows)
+    w = z.new_empty(rows)
+    block = max(1, -(-rows // _ENTROPY_SUBBLOCKS))
+    for b0, b1 in _row_blocks(rows, block):
+        e = torch.exp(z[b0:b1])
+        s[b0:b1] = e.sum(-1)
+        w[b0:b1] = e.mul_(z[b0:b1]).sum(-1)
+    return s, w
+
+
+def forward_pass(
+    x2d: torch.Tensor,
+    ids_TJ: torch.Tensor,
+    info: ShardInfo,
+    group,
+    temperature: float,
+    chunk_size: int,
+    want_entropy: bool,
+    extra_chunk_fn=None,
+):
+    """One pass over the shard. Returns (logp_TJ, lse_T, entropy_T or None) in the acc dtype.
+
+    `extra_chunk_fn(r0, r1, x_chunk, z_chunk_or_None)` is called per chunk before exp (top-K of
+    the current policy uses it); it must not modify its arguments.
+    """
+    T = x2d.shape[0]
+    J = ids_TJ.shape[1]
+    acc = acc_dtype(x2d.dtype)
+    alpha = 1.0 / temperature
+    nv = info.n_valid
+    logp = torch.empty(T, J, dtype=acc, device=x2d.device)
+    lse = torch.empty(T, dtype=acc, device=x2d.device)
+    ent = torch.empty(T, dtype=acc, device=x2d.device) if want_entropy else None
+    local, owned = info.local_ids(ids_TJ)
+    valid = info.valid_ids(ids_TJ)
+    chunk = min(check_chunk(chunk_size), max(T, 1))
+    buf = torch.empty(chunk, nv, dtype=acc, device=x2d.device) if T else None
+    n_stats = 2 if want_entropy else 1
+    for r0, r1 in _row_blocks(T, chunk):
+        r = r1 - r0
+        xc = x2d[r0:r1, :nv]
+        if nv:
+            m = xc.amax(-1).to(acc)
+        else:  # a shard made only of padding
+            m = torch.full((r,), float("-inf"), dtype=acc, device=x2d.device)
+        # Gather the asked logits before the max all-reduce: they do not depend on it.
+        packed = torch.empty(r, n_stats + J, dtype=acc, device=x2d.device)
+        if J:
+            g = x2d[r0:r1].gather(1, local[r0:r1]).to(acc)
+            packed[:, n_stats:] = torch.where(owned[r0:r1], g, torch.zeros((), dtype=acc))
+        all_reduce_(m, "max", group)
+        m_a = m * alpha  # scaled with the same alpha as x, so z = 0 exactly at the max
+        z = buf[:r]
+        # z = x * alpha - m * alpha in one pass; the add promotes bf16 to the acc dtype per element.
+        torch.add(-m_a[:, None], xc, alpha=alpha, out=z)
+        if extra_chunk_fn is not None:
+            extra_chunk_fn(r0, r1, xc, z)
+        if want_entropy:
+            packed[:, 0], packed[:, 1] = _sumexp_and_w(z)
+        else:
+            packed[:, 0] = z.exp_().sum(-1)
+        all_reduce_(packed, "sum", group)
+        s = packed[:, 0]
+        log_s = torch.log(s)
+        lse[r0:r1] = m_a + log_s
+        if J:
+            lp = packed[:, n_stats:] * alpha - (m_a + log_s)[:, None]
+            logp[r0:r1] = torch.where(valid[r0:r1], lp, torch.full((), float("-inf"), dtype=acc))
+        if want_entropy:
+            ent[r0:r1] = log_s - packed[:, 1] / s
+    return logp, lse, ent
+
+
+class _LogProbsEntropy(torch.autograd.Function):
+    """(log pi(ids) [T, J], entropy [T]) with the backward written out (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy):
+        logp, lse, ent = forward_pass(
+            x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy
+        )
+        ctx.save_for_backward(x2d, ids_TJ, lse, ent if want_entropy else lse)
+        ctx.info, ctx.temperature, ctx.chunk_size, ctx.want_entropy = (
+            info, temperature, chunk_size, want_entropy,
+        )
+        if not want_entropy:
+            ent = lse.new_empty(0)
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        x2d, ids_TJ, lse, ent = ctx.saved_tensors
+        info: ShardInfo = ctx.info
+        alpha = 1.0 / ctx.temperature
+        acc = lse.dtype
+        T, nv = x2d.shape[0], info.n_valid
+        grad = torch.empty_like(x2d)
+        if nv < x2d.shape[1]:
+            grad[:, nv:] = 0  # padding takes no part in the softmax
+        if g_logp is None:
+            g_logp = torch.zeros(ids_TJ.shape, dtype=acc, device=x2d.device)
+        valid = info.valid_ids(ids_TJ)
+        g_logp = torch.where(valid, g_logp.to(acc), torch.zeros((), dtype=acc))
+        local, owned = info.local_ids(ids_TJ)
+        g_scatter = torch.where(owned, g_logp * alpha, torch.zeros((), dtype=acc))
+        g_sum = g_logp.sum(-1) * alpha  # sum_j g_j, pre-multiplied by alpha
+        use_ent = ctx.want_entropy and g_ent is not None and g_ent.numel() > 0
+        if use_ent:
+            g_h = g_ent.to(acc) * alpha
+        direct = grad.dtype == acc  # write into the gradient itself: no scratch buffer
+        chunk = min(ctx.chunk_size, max(T, 1))
+        buf = None if direct or T == 0 else torch.empty(chunk, nv, dtype=acc, device=x2d.device)
+        for r0, r1 in _row_blocks(T, chunk):
+            r = r1 - r0
+            dst = grad[r0:r1, :nv] if direct else buf[:r]
+            # dst = log p_i = x_i * alpha - lse
+            torch.add(-lse[r0:r1, None], x2d[r0:r1, :nv], alpha=alpha, out=dst)
+            if use_ent:
+                # dst = -p_i * (sum_j g_j + g_H (log p_i + H)) * alpha, in row sub-blocks
+                block = max(1, -(-r // _ENTROPY_SUBBLOCKS))
+                for b0, b1 in _row_blocks(r, block):
+                    d = dst[b0:b1]
+                    p = torch.exp(d)
+                    rows = slice(r0 + b0, r0 + b1)
+                    d.add_(ent[rows, None]).mul_(g_h[rows, None]).add_(g_sum[rows, None])
+                    d.mul_(p).neg_()
+            else:
+                dst.exp_().mul_(-g_sum[r0:r1, None])
+            if nv and ids_TJ.shape[1]:
+                # scatter_add accumulates duplicate ids, as the chain rule asks.
+                dst.scatter_add_(1, local[r0:r1].clamp(max=nv - 1), g_scatter[r0:r1])
+            if not direct:
+                grad[r0:r1, :nv].copy_(dst)
+        return grad, None, None, None, None, None, None
+
+
+def _flatten(logits: torch.Tensor) -> torch.Tensor:
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension")
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def vocab_parallel_log_probs_and_entropy(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    group=None,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log pi(ids) and entropy of softmax(logits / temperature) over the sharded vocabulary.
+
+    logits: local shard [..., V_l] (any float dtype; accumulates in fp32, or fp64 for fp64).
+    ids: global token ids, shape [...] (one per token) or [..., J]; outside [0, vocab_size) -> -inf.
+    Returns (logp shaped like ids, entropy [...] or None), both differentiable w.r.t. logits.
+    """
+    lead = logits.shape[:-1]
+    x2d = _flatten(logits)
+    single = ids.dim() == logits.dim() - 1
+    if tuple(ids.shape[: len(lead)]) != tuple(lead) or ids.dim() not in (len(lead), len(lead) + 1):
+        raise ValueError(f"ids shape {tuple(ids.shape)} does not match logits {tuple(logits.shape)}")
+    ids_TJ = ids.reshape(x2d.shape[0], -1).long()
+    info = shard_info(x2d.shape[1], group, vocab_size)
+    temperature_scale(logits, temperature)  # validates
+    logp, ent = _LogProbsEntropy.apply(
+        x2d, ids_TJ, info, group, float(temperature), check_chunk(chunk_size), with_entropy
+    )
+    logp = logp.reshape(ids.shape) if not single else logp.reshape(lead)
+    return logp, (ent.reshape(lead) if with_entropy else None)
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    group=None,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """log softmax(logits / temperature)[ids] over the sharded vocabulary (differentiable)."""
+    logp, _ = vocab_parallel_log_probs_and_entropy(
+        logits, ids, group, temperature=temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size, with_entropy=False,
+    )
+    return logp
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    group=None,
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Entropy [...] of softmax(logits / temperature) over the sharded vocabulary (differentiable)."""
+    ids = torch.empty(*logits.shape[:-1], 0, dtype=torch.long, device=logits.device)
+    _, ent = vocab_parallel_log_probs_and_entropy(
+        logits, ids, group, temperature=temperature, vocab_size=vocab_size,
+        chunk_size=chunk_size, with_entropy=True,
+    )
+    return ent
