@@ -92,7 +92,12 @@ def _cuda_to_cpu(device):
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Rewrite CUDA device arguments to CPU in every torch call (factory functions, `.to`, `.cuda`)."""
+    """Rewrite CUDA device arguments to CPU in every torch call made while the mode is active.
+
+    Autograd runs backward functions (e.g. activation recompute) without the Python mode stack,
+    so the common factories and `Tensor.cuda` / `Tensor.to` are also wrapped directly
+    (`_wrap_factories`); the mode covers everything else that takes a `device=` argument.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -103,6 +108,41 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _cuda_to_cpu(args[1]), *args[2:])
         return func(*args, **kwargs)
+
+
+_FACTORIES = ("ones", "zeros", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+              "randint", "randperm", "eye", "linspace", "ones_like", "zeros_like", "empty_like",
+              "full_like", "rand_like", "randn_like")
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+
+def _device_kwarg_to_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_to_cpu(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_factories() -> None:
+    for name in _FACTORIES:
+        setattr(torch, name, _device_kwarg_to_cpu(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, _device_kwarg_to_cpu(getattr(torch.Tensor, name)))
+    orig_to = torch.Tensor.to
+
+    @functools.wraps(orig_to)
+    def to(self, *args, **kwargs):
+        if args:
+            args = (_cuda_to_cpu(args[0]), *args[1:])
+        if "device" in kwargs:
+            kwargs["device"] = _cuda_to_cpu(kwargs["device"])
+        return orig_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
 
 _CUDA_TYPE_NAMES = {
@@ -255,6 +295,7 @@ def apply(version: str | None = None) -> None:
     if _applied:
         return
     _patch_torch_cuda()
+    _wrap_factories()
     _patch_rng()
     _patch_moe_utils()
     _patch_collectives()

@@ -128,7 +128,7 @@ class Learner:
             mbs_list.append(mb)
         return mbs_list, S_pad
 
-    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    def run_micro_batches(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro_batches, S = self._local_micro_batches(batch)
@@ -181,7 +181,7 @@ class Learner:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_mb = self._run(batch, loss_fn, forward_only=False)
+        per_mb = self.run_micro_batches(batch, loss_fn, forward_only=False)
         metrics = self._reduce_metrics(per_mb)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
@@ -200,7 +200,7 @@ class Learner:
             logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
             return logits_BSV.new_zeros(()), {"logp": logp}
 
-        per_mb = self._run(batch, collect, forward_only=True)
+        per_mb = self.run_micro_batches(batch, collect, forward_only=True)
         B, S = batch["input_ids"].shape
         local = torch.zeros(B // self.ctx.dp, S, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
