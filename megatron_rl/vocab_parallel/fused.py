@@ -62,6 +62,7 @@ def vocab_parallel_policy_stats(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inplace_logits: bool = False,
 ) -> PolicyStats:
     """log pi(a_t), entropy and mu-vs-pi divergences from one pass over the local logit shard.
 
@@ -70,6 +71,8 @@ def vocab_parallel_policy_stats(
     rollout top-K of mu (global ids, negative = padding), needed by topk_tv / topk_kl.
     group: the tensor-parallel group (None = one process with the whole vocabulary).
     vocab_size: true vocabulary size; ids >= vocab_size are Megatron padding and excluded.
+    inplace_logits: overwrite fp32 logits and reuse them as the gradient (Megatron's memory and
+    speed trick; see `vocab_parallel_log_probs_and_entropy`); not with entropy_grad.
     """
     unknown = [d for d in divergences if d not in DIVERGENCES]
     if unknown:
@@ -85,10 +88,9 @@ def vocab_parallel_policy_stats(
         ids, keep = target_ids[..., None].long(), None
     logp_S, ent = vocab_parallel_log_probs_and_entropy(
         logits, ids, group, temperature=temperature, vocab_size=vocab_size,
-        chunk_size=chunk_size, with_entropy=with_entropy,
+        chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        inplace_logits=inplace_logits,
     )
-    if ent is not None and not entropy_grad:
-        ent = ent.detach()
     out: dict[str, torch.Tensor] = {}
     if divergences:
         pi_S = logp_S if divergence_grad else logp_S.detach()

@@ -16,8 +16,10 @@ Backward (hand-written, recomputing p from the saved lse instead of storing a [T
 Memory: one accumulation-dtype scratch buffer [chunk, V_l] per call (fp32 for bf16/fp16/fp32
 logits, fp64 for fp64), reused across token chunks; with entropy, a second temporary of at most
 chunk/16 rows. For fp32 logits the backward writes straight into the gradient tensor, so it needs
-no scratch at all. Padded vocabulary columns (global id >= vocab_size) are excluded (-inf); ids
-outside [0, vocab_size) get log-prob -inf and no gradient. Logits are assumed finite.
+no scratch at all. With inplace_logits (fp32/fp64 only) the logits' own storage serves as the
+buffer and then as the gradient (Megatron's trick): no extra memory and one exp pass in total.
+Padded vocabulary columns (global id >= vocab_size) are excluded (-inf); ids outside
+[0, vocab_size) get log-prob -inf and no gradient. Logits are assumed finite.
 """
 
 from __future__ import annotations
@@ -85,11 +87,14 @@ def forward_pass(
     chunk_size: int,
     want_entropy: bool,
     extra_chunk_fn=None,
+    inplace: bool = False,
 ):
-    """One pass over the shard. Returns (logp_TJ, lse_T, entropy_T or None) in the acc dtype.
+    """One pass over the shard. Returns (logp_TJ, lse_T, entropy_T or None, log S_T), acc dtype.
 
     `extra_chunk_fn(r0, r1, x_chunk, z_chunk_or_None)` is called per chunk before exp (top-K of
     the current policy uses it); it must not modify its arguments.
+    inplace (x2d must have the acc dtype): the valid columns of x2d are overwritten with
+    exp(z) = exp(x * alpha - m * alpha) instead of using a scratch buffer.
     """
     T = x2d.shape[0]
     J = ids_TJ.shape[1]
@@ -98,11 +103,12 @@ def forward_pass(
     nv = info.n_valid
     logp = torch.empty(T, J, dtype=acc, device=x2d.device)
     lse = torch.empty(T, dtype=acc, device=x2d.device)
+    log_sum = torch.empty(T, dtype=acc, device=x2d.device)
     ent = torch.empty(T, dtype=acc, device=x2d.device) if want_entropy else None
     local, owned = info.local_ids(ids_TJ)
     valid = info.valid_ids(ids_TJ)
     chunk = min(check_chunk(chunk_size), max(T, 1))
-    buf = torch.empty(chunk, nv, dtype=acc, device=x2d.device) if T else None
+    buf = None if inplace or not T else torch.empty(chunk, nv, dtype=acc, device=x2d.device)
     n_stats = 2 if want_entropy else 1
     for r0, r1 in _row_blocks(T, chunk):
         r = r1 - r0
@@ -118,41 +124,50 @@ def forward_pass(
             packed[:, n_stats:] = torch.where(owned[r0:r1], g, torch.zeros((), dtype=acc))
         all_reduce_(m, "max", group)
         m_a = m * alpha  # scaled with the same alpha as x, so z = 0 exactly at the max
-        z = buf[:r]
+        z = xc if inplace else buf[:r]
         # z = x * alpha - m * alpha in one pass; the add promotes bf16 to the acc dtype per element.
         torch.add(-m_a[:, None], xc, alpha=alpha, out=z)
         if extra_chunk_fn is not None:
             extra_chunk_fn(r0, r1, xc, z)
         if want_entropy:
             packed[:, 0], packed[:, 1] = _sumexp_and_w(z)
+            if inplace:
+                z.exp_()
         else:
             packed[:, 0] = z.exp_().sum(-1)
         all_reduce_(packed, "sum", group)
         s = packed[:, 0]
         log_s = torch.log(s)
         lse[r0:r1] = m_a + log_s
+        log_sum[r0:r1] = log_s
         if J:
             lp = packed[:, n_stats:] * alpha - (m_a + log_s)[:, None]
             logp[r0:r1] = torch.where(valid[r0:r1], lp, torch.full((), float("-inf"), dtype=acc))
         if want_entropy:
             ent[r0:r1] = log_s - packed[:, 1] / s
-    return logp, lse, ent
+    return logp, lse, ent, log_sum
 
 
 class _LogProbsEntropy(torch.autograd.Function):
     """(log pi(ids) [T, J], entropy [T]) with the backward written out (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy):
-        logp, lse, ent = forward_pass(
-            x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy
+    def forward(
+        ctx, x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy, entropy_grad, inplace
+    ):
+        logp, lse, ent, log_sum = forward_pass(
+            x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy, inplace=inplace
         )
-        ctx.save_for_backward(x2d, ids_TJ, lse, ent if want_entropy else lse)
-        ctx.info, ctx.temperature, ctx.chunk_size, ctx.want_entropy = (
-            info, temperature, chunk_size, want_entropy,
+        # In place, x2d holds exp(z) = S * p, so the backward needs log S rather than lse.
+        ctx.save_for_backward(x2d, ids_TJ, log_sum if inplace else lse, ent if want_entropy else lse)
+        ctx.info, ctx.temperature, ctx.chunk_size, ctx.inplace = (
+            info, temperature, chunk_size, inplace,
         )
+        ctx.entropy_grad = want_entropy and entropy_grad
+        ctx.set_materialize_grads(False)  # unused outputs arrive as None, not zero tensors
         if not want_entropy:
             ent = lse.new_empty(0)
+        if not (want_entropy and entropy_grad):
             ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -163,9 +178,6 @@ class _LogProbsEntropy(torch.autograd.Function):
         alpha = 1.0 / ctx.temperature
         acc = lse.dtype
         T, nv = x2d.shape[0], info.n_valid
-        grad = torch.empty_like(x2d)
-        if nv < x2d.shape[1]:
-            grad[:, nv:] = 0  # padding takes no part in the softmax
         if g_logp is None:
             g_logp = torch.zeros(ids_TJ.shape, dtype=acc, device=x2d.device)
         valid = info.valid_ids(ids_TJ)
@@ -173,9 +185,27 @@ class _LogProbsEntropy(torch.autograd.Function):
         local, owned = info.local_ids(ids_TJ)
         g_scatter = torch.where(owned, g_logp * alpha, torch.zeros((), dtype=acc))
         g_sum = g_logp.sum(-1) * alpha  # sum_j g_j, pre-multiplied by alpha
-        use_ent = ctx.want_entropy and g_ent is not None and g_ent.numel() > 0
+        use_ent = ctx.entropy_grad and g_ent is not None
         if use_ent:
             g_h = g_ent.to(acc) * alpha
+        if ctx.inplace:
+            if use_ent:
+                raise RuntimeError("inplace_logits=True keeps no log-probs for an entropy gradient")
+            # x2d already holds exp(z) = S * p: the gradient -p * sum_j g_j + scatter(g) is built
+            # on that storage in one pass, as megatron-core's vocab_parallel_cross_entropy does.
+            grad = x2d
+            if nv < x2d.shape[1]:
+                grad[:, nv:] = 0
+            inv_s = torch.exp(-lse)  # saved log S here: 1 / S
+            for r0, r1 in _row_blocks(T, min(ctx.chunk_size, max(T, 1))):
+                dst = grad[r0:r1, :nv]
+                dst.mul_((-g_sum[r0:r1] * inv_s[r0:r1])[:, None])
+                if nv and ids_TJ.shape[1]:
+                    dst.scatter_add_(1, local[r0:r1].clamp(max=nv - 1), g_scatter[r0:r1])
+            return grad, None, None, None, None, None, None, None, None
+        grad = torch.empty_like(x2d)
+        if nv < x2d.shape[1]:
+            grad[:, nv:] = 0  # padding takes no part in the softmax
         direct = grad.dtype == acc  # write into the gradient itself: no scratch buffer
         chunk = min(ctx.chunk_size, max(T, 1))
         buf = None if direct or T == 0 else torch.empty(chunk, nv, dtype=acc, device=x2d.device)
@@ -200,7 +230,7 @@ class _LogProbsEntropy(torch.autograd.Function):
                 dst.scatter_add_(1, local[r0:r1].clamp(max=nv - 1), g_scatter[r0:r1])
             if not direct:
                 grad[r0:r1, :nv].copy_(dst)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def _flatten(logits: torch.Tensor) -> torch.Tensor:
@@ -218,12 +248,21 @@ def vocab_parallel_log_probs_and_entropy(
     vocab_size: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
+    inplace_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(ids) and entropy of softmax(logits / temperature) over the sharded vocabulary.
 
     logits: local shard [..., V_l] (any float dtype; accumulates in fp32, or fp64 for fp64).
     ids: global token ids, shape [...] (one per token) or [..., J]; outside [0, vocab_size) -> -inf.
-    Returns (logp shaped like ids, entropy [...] or None), both differentiable w.r.t. logits.
+    Returns (logp shaped like ids, entropy [...] or None), differentiable w.r.t. logits (the
+    entropy only if entropy_grad).
+    inplace_logits: for contiguous fp32/fp64 logits that nothing else reads afterwards (the
+    usual case for the output layer's logits in a loss), overwrite them with exp(z) during the
+    forward and turn that storage into the gradient in the backward, as megatron-core's
+    vocab_parallel_cross_entropy does. Saves the scratch buffer and the backward's exp pass;
+    the logits are garbage afterwards (their version counter is bumped, so autograd rejects any
+    other graph that saved them) and backward may run once. No entropy gradient in this mode.
     """
     lead = logits.shape[:-1]
     x2d = _flatten(logits)
@@ -233,8 +272,16 @@ def vocab_parallel_log_probs_and_entropy(
     ids_TJ = ids.reshape(x2d.shape[0], -1).long()
     info = shard_info(x2d.shape[1], group, vocab_size)
     temperature_scale(logits, temperature)  # validates
+    if inplace_logits:
+        if x2d.dtype != acc_dtype(x2d.dtype) or x2d.data_ptr() != logits.data_ptr():
+            raise ValueError("inplace_logits needs contiguous fp32 or fp64 logits "
+                             f"(got {logits.dtype}, contiguous={logits.is_contiguous()})")
+        if with_entropy and entropy_grad:
+            raise ValueError("inplace_logits keeps no log-probs for an entropy gradient; "
+                             "pass entropy_grad=False or inplace_logits=False")
     logp, ent = _LogProbsEntropy.apply(
-        x2d, ids_TJ, info, group, float(temperature), check_chunk(chunk_size), with_entropy
+        x2d, ids_TJ, info, group, float(temperature), check_chunk(chunk_size), with_entropy,
+        entropy_grad, inplace_logits,
     )
     logp = logp.reshape(ids.shape) if not single else logp.reshape(lead)
     return logp, (ent.reshape(lead) if with_entropy else None)
@@ -248,11 +295,14 @@ def vocab_parallel_log_probs(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    inplace_logits: bool = False,
 ) -> torch.Tensor:
-    """log softmax(logits / temperature)[ids] over the sharded vocabulary (differentiable)."""
+    """log softmax(logits / temperature)[ids] over the sharded vocabulary (differentiable).
+
+    See `vocab_parallel_log_probs_and_entropy` for shapes and `inplace_logits`."""
     logp, _ = vocab_parallel_log_probs_and_entropy(
         logits, ids, group, temperature=temperature, vocab_size=vocab_size,
-        chunk_size=chunk_size, with_entropy=False,
+        chunk_size=chunk_size, with_entropy=False, inplace_logits=inplace_logits,
     )
     return logp
 

@@ -48,7 +48,7 @@ def vocab_parallel_topk(
             cand_i[r0:r1, :k_loc] = i + info.start
 
     empty_ids = torch.empty(T, 0, dtype=torch.long, device=x2d.device)
-    _, lse, _ = forward_pass(
+    _, lse, _, _ = forward_pass(
         x2d, empty_ids, info, group, float(temperature), chunk_size, False, local_topk
     )
     all_v = torch.cat(all_gather(cand_v, group), dim=-1)  # [T, TP * k]

@@ -183,6 +183,32 @@ def test_log_probs_entropy_values_and_grads(tp, dtype, chunk):
     assert (grad[:, VOCAB:] == 0).all()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_inplace_logits_match(tp):
+    x = make_logits(21)
+    ids = torch.randint(0, VOCAB, (x.shape[0], 4), generator=torch.Generator().manual_seed(3))
+    ids[0, 1] = ids[0, 0]
+    g = torch.randn(ids.shape, dtype=torch.float64)
+
+    def fn(shard, group, rank):
+        shard = shard.clone().requires_grad_()
+        lp, h = vp.vocab_parallel_log_probs_and_entropy(
+            shard, ids, group, temperature=1.2, vocab_size=VOCAB, chunk_size=5,
+            entropy_grad=False, inplace_logits=True,
+        )
+        (lp * g).sum().backward()
+        return lp.detach(), h, shard.grad
+
+    xr = x.clone().requires_grad_()
+    ref = ref_logp(xr, ids, VOCAB, 1.2)
+    (ref * g).sum().backward()
+    out = run_tp(tp, fn, x)
+    for lp, h, _ in out:
+        close(lp, ref.detach(), 1e-10)
+        close(h, ref_entropy(x, VOCAB, 1.2), 1e-10)
+    close(torch.cat([gr for _, _, gr in out], -1), xr.grad, 1e-10)
+
+
 def test_bf16_accumulates_in_fp32():
     x = make_logits(3, dtype=torch.bfloat16)
     ids = torch.randint(0, VOCAB, (x.shape[0],), generator=torch.Generator().manual_seed(2))
@@ -362,7 +388,7 @@ def test_full_divergence_and_topk_policy():
 
 def test_memory_stays_within_one_chunk_buffer():
     """Allocation tracking with the PyTorch profiler: extra memory ≈ one fp32 [chunk, V_l] buffer."""
-    T, V, chunk = 256, 4096, 64
+    T, V, chunk = 256, 16384, 64
     x = torch.randn(T, V)
     ids = torch.randint(0, V, (T, 21))
     buffer = chunk * V * 4
@@ -387,6 +413,16 @@ def test_memory_stays_within_one_chunk_buffer():
     bwd = peak(lambda: vp.vocab_parallel_log_probs(xr, ids, None, chunk_size=chunk).sum().backward())
     small = T * 21 * 8 * 4  # a few [T, J] id/gradient tensors
     assert bwd <= T * V * 4 + small, (bwd, buffer)  # the gradient itself and no scratch (fp32)
+    # In place (Megatron's trick) the logits' storage is the buffer and then the gradient.
+    xi = x.clone().requires_grad_()
+    inpl = peak(lambda: vp.vocab_parallel_log_probs(
+        xi, ids, None, chunk_size=chunk, inplace_logits=True).sum().backward())
+    assert inpl <= small, (inpl, buffer)
+    with pytest.raises(ValueError, match="entropy gradient"):
+        vp.vocab_parallel_policy_stats(x, ids[:, 0], with_entropy=True, entropy_grad=True,
+                                       inplace_logits=True)
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        vp.vocab_parallel_log_probs(x.bfloat16(), ids, None, inplace_logits=True)
 
 
 # ---------------------------------------------------------------- properties
@@ -436,10 +472,11 @@ def test_divergence_properties(seed, shift, temperature, tp, chunk):
     # D(p, p) = 0 up to rounding: gloo's ring all-reduce may sum the p and q halves of one
     # packed buffer in different rank orders, so their log-partitions can differ by an ulp.
     assert (stv <= 1e-14).all() and (skl <= 1e-14).all()
-    # Same values at TP=1 with the whole vocabulary in one chunk.
+    # Same values at TP=1 (group None): only the summation order differs, and the rest bucket
+    # 1 - sum_S can turn that 1e-16 into ~1e-11 through log(rest) when rest is small.
     s1, (ftv1, fkl1), _ = run_tp(1, fn, pi_x, mu_x)[0]
     for name in vp.DIVERGENCES:
-        close(getattr(s, name), getattr(s1, name), 1e-12)
+        close(getattr(s, name), getattr(s1, name), 1e-10)
     close(s.logp, s1.logp, 1e-12)
     close(ftv, ftv1, 1e-12)
     close(fkl, fkl1, 1e-12)

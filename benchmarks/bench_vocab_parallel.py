@@ -1,0 +1,253 @@
+"""Benchmark: vocab-parallel log-probs and divergences on CPU over gloo (TP=2 processes).
+
+For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per rank:
+  (a) log pi(a_t) only                          vocab_parallel_policy_stats, forward + backward
+  (b) (a) + binary TV and KL                    same call, divergences=binary_tv, binary_kl
+  (c) (b) + top-K (K=20) TV and KL              same call, all four divergences
+  (d) naive reference: all-gather the full vocabulary, log_softmax, then the same quantities
+  (e) megatron-core vocab_parallel_cross_entropy (Megatron's TP log-prob), forward + backward
+Times are the minimum over --reps repetitions of the slowest rank (barrier before each run, the
+variants interleaved within each repetition); forward-only times are reported too. Inputs that a
+variant overwrites (inplace_logits, Megatron's fp32 path) are copied outside the timed region. (d) runs forward only under no_grad: with autograd the
+full-vocabulary copies would need ~4x the memory again, and the divergences take no gradient.
+
+Peak memory: the PyTorch profiler with profile_memory=True records every CPU-allocator
+allocation and free made by torch ops (sizes and timestamps); the running sum of those events gives
+the peak of live bytes allocated during the measured call on top of what existed before (inputs
+excluded, outputs and the gradient of the logits included). Compared with one fp32
+[chunk, V_local] scratch buffer.
+
+    .venv/bin/python benchmarks/bench_vocab_parallel.py            # T=4096, V_local 16384, 75968
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron_rl.distributed.spawn import run_distributed  # noqa: E402
+from megatron_rl.vocab_parallel import (  # noqa: E402
+    binary_kl,
+    binary_tv,
+    topk_kl,
+    topk_support,
+    topk_tv,
+    vocab_parallel_policy_stats,
+)
+
+VARIANTS = {
+    "a": "log-prob only",
+    "b": "+ binary TV/KL",
+    "c": "+ top-K TV/KL",
+    "a_inplace": "log-prob only, inplace_logits",
+    "b_inplace": "+ binary TV/KL, inplace_logits",
+    "c_inplace": "+ top-K TV/KL, inplace_logits",
+    "d": "naive full gather",
+    "e": "megatron vocab_parallel_cross_entropy",
+}
+
+
+def _peak_bytes(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = top = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        top = max(top, live)
+    return top
+
+
+def _timed(make_run, reps: int, group) -> float:
+    """Min over reps of the slowest rank's time of make_run()() (make_run itself is untimed)."""
+    best = float("inf")
+    for _ in range(reps):
+        fn = make_run()
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
+        best = min(best, dt.item())
+    return best
+
+
+def _naive(logits, target, rollout_logp, topk_ids, topk_logp, group, world):
+    """Gather the whole vocabulary, then plain full-vocabulary math (forward, no grad)."""
+    with torch.no_grad():
+        parts = [torch.empty_like(logits) for _ in range(world)]
+        dist.all_gather(parts, logits, group=group)
+        full = torch.cat(parts, dim=-1)
+        del parts
+        lsm = torch.log_softmax(full, dim=-1)
+        del full
+        logp = lsm.gather(-1, target[:, None])[:, 0]
+        ids, keep = topk_support(target, topk_ids)
+        pi_S = lsm.gather(-1, ids)
+        del lsm
+        mu_S = torch.cat([rollout_logp[:, None], topk_logp], -1)
+        return (logp, binary_tv(rollout_logp, logp), binary_kl(rollout_logp, logp),
+                topk_tv(mu_S, pi_S, keep), topk_kl(mu_S, pi_S, keep))
+
+
+def worker(rank, world, args):
+    torch.set_num_threads(1)  # 2 ranks on a 2-core machine
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    megatron_error = None
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    except Exception as e:  # report what stands in the way instead of hiding it
+        megatron_error = f"{type(e).__name__}: {e}"
+    group = dist.group.WORLD
+    rows = []
+    for v_local in args.vocab:
+        g = torch.Generator().manual_seed(1000 + rank)
+        T, K = args.tokens, args.k
+        logits = torch.randn(T, v_local, generator=g) * 3
+        gen = torch.Generator().manual_seed(7)  # same targets / rollout data on every rank
+        target = torch.randint(0, v_local * world, (T,), generator=gen)
+        rollout_logp = -torch.rand(T, generator=gen) * 5
+        topk_ids = torch.randint(0, v_local * world, (T, K), generator=gen)
+        topk_ids[:, 0] = target  # the sampled token is usually in mu's top-K
+        topk_logp = torch.sort(-torch.rand(T, K, generator=gen) * 8, dim=-1, descending=True)[0]
+        grad_out = torch.randn(T, generator=gen)
+        divs = {"a": (), "b": ("binary_tv", "binary_kl"),
+                "c": ("binary_tv", "binary_kl", "topk_tv", "topk_kl")}
+
+        def ours(key, backward):
+            inplace = key.endswith("_inplace")
+            # inplace_logits overwrites its input: give it a copy, made outside the timing.
+            x = (logits.detach().clone() if inplace else logits).requires_grad_(backward)
+
+            def run():
+                s = vocab_parallel_policy_stats(
+                    x, target, group, rollout_logp=rollout_logp, topk_ids=topk_ids,
+                    topk_logp=topk_logp, divergences=divs[key[0]], chunk_size=args.chunk,
+                    inplace_logits=inplace,
+                )
+                if backward:
+                    (s.logp * grad_out).sum().backward()
+                    x.grad = None
+            return run
+
+        def megatron(backward):
+            x = logits.detach().clone()  # it overwrites fp32 logits in place (outside the timing)
+            x.requires_grad_(backward)
+
+            def run():
+                loss = vocab_parallel_cross_entropy(x[:, None, :], target[:, None])
+                if backward:
+                    (-loss[:, 0] * grad_out).sum().backward()
+            return run
+
+        row = {"v_local": v_local, "tokens": T, "chunk": args.chunk}
+        runs = {}  # (variant, measure) -> factory of a fresh run
+        for key in ("a", "b", "c", "a_inplace", "b_inplace", "c_inplace"):
+            runs[key, "fwd"] = lambda key=key: ours(key, False)
+            runs[key, "fwd_bwd"] = lambda key=key: ours(key, True)
+        if megatron_error is None:
+            runs["e", "fwd"] = lambda: megatron(False)
+            runs["e", "fwd_bwd"] = lambda: megatron(True)
+        if v_local <= args.naive_max_vocab:
+            runs["d", "fwd"] = lambda: (lambda: _naive(
+                logits, target, rollout_logp, topk_ids, topk_logp, group, world))
+        # Repetitions outermost, variants interleaved: load from other processes on a shared
+        # machine then hits every variant alike instead of whichever ran during the spike.
+        best = {}
+        for _ in range(args.reps):
+            for name, make in runs.items():
+                best[name] = min(best.get(name, float("inf")), _timed(make, 1, group))
+        for (key, measure), t in best.items():
+            row.setdefault(key, {})[measure] = t
+        for (key, measure), make in runs.items():
+            row[key]["mem_" + measure] = _peak_bytes(make())
+        row["buffer_bytes"] = min(args.chunk, T) * v_local * 4
+        row["grad_bytes"] = T * v_local * 4
+        rows.append(row)
+    return {"rows": rows, "megatron_error": megatron_error}
+
+
+def _fmt_table(res) -> str:
+    out = []
+    mb = 2.0**20
+    if res["megatron_error"]:
+        out.append(f"megatron-core could not be set up: {res['megatron_error']}\n")
+    for row in res["rows"]:
+        buf = row["buffer_bytes"]
+        out.append(
+            f"### T={row['tokens']}, V_local={row['v_local']} (TP=2, V={2 * row['v_local']}), "
+            f"fp32, chunk={row['chunk']} (one fp32 [chunk, V_local] buffer = {buf / mb:.0f} MiB)\n"
+        )
+        out.append("| variant | fwd s | fwd+bwd s | fwd+bwd / (a) | peak extra fwd MiB | "
+                   "fwd peak / buffer | peak extra fwd+bwd MiB (grad = "
+                   f"{row['grad_bytes'] / mb:.0f}) |")
+        out.append("|---|---|---|---|---|---|---|")
+        a = row["a"]["fwd_bwd"]
+        for key, name in VARIANTS.items():
+            if key not in row:
+                continue
+            r = row[key]
+            fb = r.get("fwd_bwd")
+            cells = [
+                f"({key}) {name}",
+                f"{r['fwd']:.3f}",
+                f"{fb:.3f}" if fb is not None else "—",
+                f"{fb / a:.3f}" if fb is not None else "—",
+                f"{r['mem_fwd'] / mb:.1f}" if "mem_fwd" in r else "—",
+                f"{r['mem_fwd'] / buf:.3f}" if "mem_fwd" in r else "—",
+                f"{r['mem_fwd_bwd'] / mb:.1f}" if "mem_fwd_bwd" in r else "—",
+            ]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+        for sfx, label in (("", "recompute (default)"), ("_inplace", "inplace_logits")):
+            ra, rb, rc = row["a" + sfx], row["b" + sfx], row["c" + sfx]
+            line = (
+                f"- {label}: fwd+bwd (b)/(a) = {rb['fwd_bwd'] / ra['fwd_bwd']:.3f}, "
+                f"(c)/(a) = {rc['fwd_bwd'] / ra['fwd_bwd']:.3f}; "
+                f"fwd (b)/(a) = {rb['fwd'] / ra['fwd']:.3f}, (c)/(a) = {rc['fwd'] / ra['fwd']:.3f}; "
+                f"peak extra fwd of (c) = {rc['mem_fwd'] / buf:.3f} x buffer; "
+                f"fwd+bwd of (c) beyond the gradient = "
+                f"{(rc['mem_fwd_bwd'] - (0 if sfx else row['grad_bytes'])) / buf:.3f} x buffer"
+            )
+            if "e" in row:
+                line += (f"; (a)/(e) fwd+bwd = {ra['fwd_bwd'] / row['e']['fwd_bwd']:.3f}, "
+                         f"fwd = {ra['fwd'] / row['e']['fwd']:.3f}")
+            out.append(line)
+        if "d" in row:
+            out.append(f"- naive (d) / (c) forward = {row['d']['fwd'] / row['c']['fwd']:.2f}, "
+                       f"peak {row['d']['mem_fwd'] / buf:.1f} x buffer")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--vocab", type=int, nargs="+", default=[16384, 75968],
+                   help="local-shard vocabulary sizes (75968 = Qwen2.5's 151936 / TP=2)")
+    p.add_argument("--chunk", type=int, default=1024, help="token chunk of the scratch buffer")
+    p.add_argument("--k", type=int, default=20)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--naive-max-vocab", type=int, default=10**9,
+                   help="skip (d) above this local vocab (it needs ~4 full-vocab copies)")
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    res = run_distributed(worker, 2, args, timeout=1800)[0]
+    print(_fmt_table(res))
+    print(f"(total wall time {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, 1 intra-op thread per rank)")
+
+
+if __name__ == "__main__":
+    main()
