@@ -88,6 +88,7 @@ class TrainConfig:
     steps: int = 60  # optimizer steps
     global_batch_size: int = 16  # sequences per step, across data-parallel ranks
     seed: int = 0  # data seed
+    operand_digits: int = 1  # synthetic addition task: digits per operand
     log_every: int = 5  # print a metrics line every N steps
     out_dir: str = "runs/${name}"  # run directory (metrics, plots, tiny model)
 

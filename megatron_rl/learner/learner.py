@@ -155,7 +155,7 @@ class Learner:
         # micro-batches; our finaliser ignores num_tokens.
         return loss, torch.ones((), dtype=torch.int), metrics
 
-    def _reduce_metrics(self, per_mb: list[dict]) -> dict[str, float]:
+    def reduce_metrics(self, per_mb: list[dict]) -> dict[str, float]:
         """Sum metric dicts over micro-batches and DP ranks; every rank returns the same values."""
         # Only the last pipeline stage has metrics: broadcast their names, then their values.
         keys = sorted(per_mb[0]) if per_mb else []
@@ -182,7 +182,7 @@ class Learner:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         per_mb = self.run_micro_batches(batch, loss_fn, forward_only=False)
-        metrics = self._reduce_metrics(per_mb)
+        metrics = self.reduce_metrics(per_mb)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
