@@ -13,6 +13,9 @@
 - `load_weights` decides expert-vs-dense from the *local* name and so scatters local-spec expert
   weights over the TP group instead of the expert-TP group; it is replaced by a version that
   decides from the translated global name.
+- `export_weights` with EP=1 sends expert weights down the dense path, which all-gathers them
+  over the TP group; with expert-TP=1 those copies are replicas, and the merge asserted on their
+  count. The merge now takes the single replica.
 """
 
 from __future__ import annotations
@@ -112,6 +115,15 @@ def apply(version: str | None = None) -> None:
         return ret
 
     Bridge._weight_name_mapping_mcore_local_to_global = local_to_global
+
+    orig_merge = Bridge._weight_merge_across_tp
+
+    def weight_merge_across_tp(self, mcore_weights_name, mcore_weights, param):
+        if _is_expert(mcore_weights_name) and self.mpu.etp_size == 1:
+            return mcore_weights[0]  # experts are not TP-sharded: every gathered copy is the same
+        return orig_merge(self, mcore_weights_name, mcore_weights, param)
+
+    Bridge._weight_merge_across_tp = weight_merge_across_tp
     Bridge.load_weights = _load_weights
     _applied = True
 

@@ -113,8 +113,15 @@ def build_model_chunks(bridge, ctx: ParallelContext) -> list[torch.nn.Module]:
         model.model_type = ModelType.encoder_or_decoder
         if ctx.vpp:
             model.vp_stage = i
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             set_defaults_if_not_set_tensor_model_parallel_attributes(p)
+            if ".mlp.experts." in name:
+                # megatron-core marks expert weights for the expert-data-parallel reduction only
+                # when EP > 1; with EP = 1 and expert-TP < TP (e.g. TP2, ETP1) each TP rank routes
+                # its own sequence-parallel chunk, so its expert grads are partial and must be
+                # summed over the expert-DP group too. With ETP = TP that group equals the dense
+                # DP group, so marking experts always is right in every layout.
+                p.allreduce = False
         if ctx.device.type == "cuda":
             model.cuda(torch.cuda.current_device())
         chunks.append(model)

@@ -32,7 +32,7 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=labels, loss_mask=loss_mask)
 
 
-def layout_worker(rank, world_size, hf_path, parallel, recompute):
+def layout_worker(rank, world_size, hf_path, parallel, recompute, dist_opt=False, save_to=None):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -44,6 +44,7 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute):
     cfg.model.recompute = recompute
     cfg.parallel = ParallelConfig(**parallel)
     cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.clip_grad = LR, ADAM_EPS, CLIP
+    cfg.optim.use_distributed_optimizer = dist_opt
     cfg.learner.micro_batch_size = 2
     ctx = init_distributed(cfg.parallel)
     learner = Learner(cfg, ctx, run_dir="/nonexistent")
@@ -65,6 +66,10 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute):
         logits = torch.cat(rows)[:, :S, : learner.vocab_size]
 
     exported_before = {k: v.clone() for k, v in learner.export_hf_weights()}
+    if save_to is not None:
+        from megatron_rl.models.bridge import save_hf_checkpoint
+
+        save_hf_checkpoint(learner.bridge, learner.model, save_to, tokenizer_src=hf_path)
     metrics = learner.train_step(batch)
     exported_after = {k: v.clone() for k, v in learner.export_hf_weights()}
     if rank != 0 and not (ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0):
@@ -107,8 +112,9 @@ def hf_reference(hf_path, scratch):
                 original=original, after=after)
 
 
-def _run_layout(hf_path, world_size, parallel, recompute="none"):
-    results = run_distributed(layout_worker, world_size, str(hf_path), parallel, recompute)
+def _run_layout(hf_path, world_size, parallel, recompute="none", dist_opt=False, save_to=None):
+    results = run_distributed(layout_worker, world_size, str(hf_path), parallel, recompute,
+                              dist_opt, None if save_to is None else str(save_to))
     return next(r for r in results if r is not None and r["logits"] is not None)
 
 
@@ -159,10 +165,16 @@ def test_dense_layouts_match_hf(dense, world_size, parallel):
 
 
 @pytest.mark.slow
+def test_distributed_optimizer_matches_hf(dense):
+    path, ref = dense
+    _check_against_hf(_run_layout(path, 2, {}, dist_opt=True), ref, "dp2 distributed optimizer")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world_size,parallel",
-    [(1, {}), (2, {"ep": 2}), (2, {"tp": 2, "ep": 2})],
-    ids=["moe_tp1", "ep2", "tp2_ep2_sp"],
+    [(1, {}), (2, {"tp": 2}), (2, {"pp": 2}), (2, {"ep": 2}), (2, {"tp": 2, "ep": 2})],
+    ids=["moe_tp1", "moe_tp2_sp", "moe_pp2", "ep2", "tp2_ep2_sp"],
 )
 def test_moe_layouts_match_hf(moe, world_size, parallel):
     path, ref = moe
@@ -177,3 +189,21 @@ def test_activation_recompute_gives_identical_step(dense):
     assert recomputed["metrics"]["grad_norm"] == plain["metrics"]["grad_norm"]
     for k, w in plain["after"].items():
         assert torch.equal(recomputed["after"][k], w), f"recompute changed the update of {k}"
+
+
+@pytest.mark.slow
+def test_saved_hf_checkpoint_reloads_exactly(moe, tmp_path):
+    """Megatron (TP2 x EP2) -> save_hf_checkpoint -> transformers reload == the original model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, ref = moe
+    out = tmp_path / "exported"
+    _run_layout(path, 2, {"tp": 2, "ep": 2}, save_to=out)
+    saved = checkpoint_tensors(out)
+    assert set(saved) == set(ref["original"])
+    for name, w in saved.items():
+        assert torch.equal(w, ref["original"][name]), name
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(reloaded(make_batch()["input_ids"]).logits, ref["logits"])
+    original_tok, saved_tok = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(out)
+    assert saved_tok("12+7=")["input_ids"] == original_tok("12+7=")["input_ids"]
