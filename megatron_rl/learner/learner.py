@@ -20,6 +20,7 @@ all [B, S], right-padded; positions are 0..S-1.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable, Optional
 
@@ -92,6 +93,13 @@ class Learner:
             self.model,
         )
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
+        self.router_replay = None
+        if self.config.num_moe_experts:
+            from megatron_rl.learner.router_replay import RouterReplayController
+
+            self.router_replay = RouterReplayController(self.model, ctx,
+                                                        recompute=cfg.model.recompute != "none")
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr,
             min_lr=o.min_lr, lr_warmup_steps=o.lr_warmup_steps,
@@ -133,9 +141,16 @@ class Learner:
 
         micro_batches, S = self._local_micro_batches(batch)
 
+        replay = self.router_replay
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            chunk = self._chunk_index[id(model)]
+            if replay is not None:
+                replay.before_forward(chunk, mb)
             output = model(mb["input_ids"], mb["position_ids"], None)
+            if replay is not None:
+                replay.after_forward(chunk, mb)
             return output, partial(self._loss_closure, loss_fn, mb)
 
         iters = [iter(micro_batches) for _ in self.model]
@@ -174,15 +189,36 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # public steps
     # ------------------------------------------------------------------------------------------
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: Optional[LossFn] = None) -> dict[str, float]:
-        """One optimizer step on a global batch (every rank passes the same batch)."""
+    def _routing(self, mode: Optional[str], backward: bool):
+        if mode is None:
+            return nullcontext()
+        if self.router_replay is None:
+            raise ValueError(f"router replay ({mode}) needs an MoE model")
+        return self.router_replay.phase(mode, backward=backward)
+
+    def _agreement_metrics(self) -> dict[str, float]:
+        agreement = self.router_replay.agreement.clone()
+        dist.all_reduce(agreement)
+        rates = agreement[0] / agreement[1].clamp(min=1)
+        return {f"router_agreement/layer{i}": float(r) for i, r in enumerate(rates)}
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: Optional[LossFn] = None,
+                   routing: Optional[str] = None) -> dict[str, float]:
+        """One optimizer step on a global batch (every rank passes the same batch).
+
+        `routing="replay"` replays `batch["routed_experts"]` ([B, S, L, k], see router_replay.py)
+        in every forward and recompute of the step (R2 / R3).
+        """
         loss_fn = loss_fn or partial(masked_nll_loss, denom=float(batch["loss_mask"].sum().clamp(min=1)))
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_mb = self.run_micro_batches(batch, loss_fn, forward_only=False)
-        metrics = self.reduce_metrics(per_mb)
+        with self._routing(routing, backward=True):
+            per_mb = self.run_micro_batches(batch, loss_fn, forward_only=False)
+            metrics = self.reduce_metrics(per_mb)
+            if routing == "replay":
+                metrics.update(self._agreement_metrics())
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -191,8 +227,12 @@ class Learner:
         return metrics
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank."""
+    def forward_logprobs(self, batch: dict[str, torch.Tensor], routing: Optional[str] = None):
+        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank.
+
+        `routing="replay"` replays `batch["routed_experts"]`; `routing="record"` (R2) also
+        returns the routes the model chose, [B, S, L, k] int64 (-1 on padding), on every rank.
+        """
         for m in self.model:
             m.eval()
 
@@ -200,17 +240,30 @@ class Learner:
             logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
             return logits_BSV.new_zeros(()), {"logp": logp}
 
-        per_mb = self.run_micro_batches(batch, collect, forward_only=True)
         B, S = batch["input_ids"].shape
+        with self._routing(routing, backward=False):
+            per_mb = self.run_micro_batches(batch, collect, forward_only=True)
+            routes = self._gather_recorded_routes(B // self.ctx.dp, S) if routing == "record" else None
         local = torch.zeros(B // self.ctx.dp, S, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
             local = torch.cat([m["logp"] for m in per_mb])[:, :S].float()
-        gathered = [torch.empty_like(local) for _ in range(self.ctx.dp)]
-        dist.all_gather(gathered, local, group=self.ctx.dp_group)
-        out = torch.cat(gathered)
+        out = self._gather_dp_rows(local)
         dist.broadcast(out, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1),
                        group=self.ctx.pp_group)
-        return out
+        return out if routing != "record" else (out, routes)
+
+    def _gather_dp_rows(self, local: torch.Tensor) -> torch.Tensor:
+        gathered = [torch.empty_like(local) for _ in range(self.ctx.dp)]
+        dist.all_gather(gathered, local.contiguous(), group=self.ctx.dp_group)
+        return torch.cat(gathered)
+
+    def _gather_recorded_routes(self, B_local: int, S: int) -> torch.Tensor:
+        """Combine the routes each rank recorded (its layers, its sequence chunk) for the batch."""
+        local = self.router_replay.recorded_routes(B_local, S, self.config.moe_router_topk)
+        local = local.to(self.ctx.device)
+        # Every (position, layer) is filled by exactly one model-parallel rank; others hold -1.
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.ctx.mp_group)
+        return self._gather_dp_rows(local).cpu()
 
     def export_hf_weights(self):
         """(HF name, tensor) for every weight; a collective every model-parallel rank iterates."""

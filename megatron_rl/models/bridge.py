@@ -64,6 +64,8 @@ def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:
         attention_dropout=0.0,
         # Recorded routing replays only through the unfused router; the fused one ignores it.
         moe_router_fusion=False,
+        # Every MoE router gets a RouterReplay (idle unless a replay/record phase is active).
+        moe_enable_routing_replay=True,
         variable_seq_lengths=True,
     )
     if model_cfg.recompute == "full":
