@@ -1,0 +1,28 @@
+"""Math answers checked with math-verify: 1.0 iff the response's final answer equals the truth.
+
+The ground truth (DAPO-Math style: "34", "\\frac{1}{2}", "x^2+1") is parsed as a boxed LaTeX
+answer; the response is parsed with math-verify's default extraction (last \\boxed{...} first,
+then LaTeX / plain expressions). Parsing or verification errors and time-outs score 0 — a
+response that cannot be read is wrong, never a crash of the rollout loop.
+"""
+
+from __future__ import annotations
+
+from megatron_rl.rewards import register_reward
+
+
+@register_reward("math")
+def math_verify_reward(response: str, ground_truth: str) -> float:
+    from math_verify import parse, verify
+
+    # math-verify's signal-based time-outs only work on the main thread; rollouts may score
+    # from worker threads, where they are disabled (None).
+    import threading
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=timeout)
+        pred = parse(response, parsing_timeout=timeout)
+        return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=timeout))
+    except Exception:  # noqa: BLE001 — unreadable answers are wrong answers
+        return 0.0
