@@ -7,12 +7,20 @@ vocab-parallel module, which excludes Megatron's padded vocabulary columns.
 
 from __future__ import annotations
 
+import torch
+
 from megatron_rl.vocab_parallel import vocab_parallel_log_probs
 
 
 def token_logprobs(logits_BSV, labels_BS, tp_group, vocab_size: int):
-    """log softmax(logits)[label] per position, fp32, differentiable, never gathering the vocab."""
-    return vocab_parallel_log_probs(logits_BSV, labels_BS.long(), tp_group, vocab_size=vocab_size)
+    """log softmax(logits)[label] per position, fp32, differentiable, never gathering the vocab.
+
+    The learner's logits are read by nothing after the loss, so fp32 logits are overwritten in
+    place and their storage becomes the gradient (Megatron's trick): no [T, V/TP] scratch and no
+    recompute of the softmax in backward (docs/benchmarks.md). bf16 logits take the chunked path.
+    """
+    return vocab_parallel_log_probs(logits_BSV, labels_BS.long(), tp_group, vocab_size=vocab_size,
+                                    inplace_logits=logits_BSV.dtype == torch.float32)
 
 
 def masked_nll_loss(logits_BSV, mb, tp_group, vocab_size, *, denom: float):
