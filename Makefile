@@ -10,10 +10,20 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/cpu-lock.txt
+LOCKS := requirements/cpu-lock.txt requirements/cpu-constraints.txt requirements/sglang-nodeps.txt \
+	requirements/sglang-cpu-extras.txt
+
+# The constraints file keeps the CPU build of torch. SGLang (and xgrammar) go in with --no-deps:
+# SGLang's wheel hard-requires torch 2.14.1 and CUDA-only packages; what they need on CPU is in
+# cpu-lock.txt. triton and torchvision go to a folder outside site-packages that only SGLang
+# server processes on CPU put on sys.path (see the requirements files and patches/sglang_cpu.py).
+$(STAMP): pyproject.toml $(LOCKS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/cpu-lock.txt
+	$(PY) -m pip install -q -c requirements/cpu-constraints.txt -r requirements/cpu-lock.txt
+	$(PY) -m pip install -q --no-deps -c requirements/cpu-constraints.txt -r requirements/sglang-nodeps.txt
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/sglang-cpu-extras \
+		-r requirements/sglang-cpu-extras.txt
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 

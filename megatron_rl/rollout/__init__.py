@@ -1,0 +1,1 @@
+"""Rollouts: SGLang server lifecycle, async client, typed rollout records."""

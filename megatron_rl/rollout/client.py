@@ -1,0 +1,430 @@
+"""Async HTTP client for SGLang servers: generation with log-probs / top-K / routed experts,
+retries across servers, and thin wrappers for SGLang's control endpoints.
+
+`RolloutClient.generate(prompts, sampling, n=...)` sends one `/generate` request per sample,
+keyed by (prompt index, sample index). Each key is owned by exactly one asyncio task that
+retries until it holds one finished sample, so every prompt ends with exactly n records and no
+key is ever produced twice — whatever happens to the servers:
+- connection errors, 5xx answers and timeouts mark the server down and retry the sample on
+  another server (least loaded first) after exponential backoff (`backoff_initial` doubling up
+  to `backoff_max`); a down server is probed on `/health` and comes back into rotation once it
+  answers (an `EngineManager` restarts dead servers on the same port);
+- a sample that the server aborted without us asking (e.g. `/pause_generation` in abort mode
+  around a weight update) is retried the same way, without marking the server down;
+- the attempt on a server that timed out but is still alive is aborted there (`/abort_request`
+  with its rid), so a late answer cannot come back as a second sample;
+- 4xx answers (a bad request) are not retried: they raise at once with the server's message.
+After `max_attempts` failed attempts on one key the whole call raises `RolloutError` naming the
+key, the servers tried and the errors. Every retry is logged and kept in `retry_events`.
+
+Seeds: with `SamplingParams.seed = s`, sample (i, j) is sent with SGLang's `sampling_seed =
+s + i·n + j`, whichever server serves it (SGLang honours it only when the server runs with
+`--enable-deterministic-inference`).
+
+Control endpoints (routes and payloads of sglang 0.5.23's http_server.py) are methods of
+`ServerAPI`, one per server; `RolloutClient.servers()` gives one for each current URL.
+`update_weights_from_tensor` / `update_weights_from_distributed` must run between
+`begin_weight_update` and `end_weight_update` (SGLang answers 400 otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import aiohttp
+
+from .records import RolloutRecord, record_from_sglang
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    pass
+
+
+class GenerationAborted(RolloutError):
+    pass
+
+
+class SGLangHTTPError(RolloutError):
+    def __init__(self, url: str, route: str, status: int, body: str):
+        super().__init__(f"{url}{route} answered {status}: {body[:500]}")
+        self.url, self.route, self.status, self.body = url, route, status, body
+
+
+class _Retryable(Exception):
+    """An attempt failed in a way another attempt (maybe on another server) can fix."""
+
+    def __init__(self, reason: str, server_down: bool):
+        super().__init__(reason)
+        self.server_down = server_down
+
+
+class ServerPool(Protocol):
+    def urls(self) -> list[str]: ...
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling parameters of one generate call (all samples of all prompts)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; returned log-probs are of the temperature-scaled distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0: off)."""
+    top_k: int = -1
+    """Sample among the k most likely tokens (-1: off)."""
+    max_new_tokens: int = 128
+    """Generation budget per sample."""
+    stop_token_ids: list[int] | None = None
+    """Extra token ids that end a sample (the model's EOS always does)."""
+    seed: int | None = None
+    """Base seed; sample (i, j) uses seed + i·n + j (needs --enable-deterministic-inference)."""
+
+    def to_sglang(self, sample_seed: int | None) -> dict[str, Any]:
+        p: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                             "top_k": self.top_k, "max_new_tokens": self.max_new_tokens,
+                             "skip_special_tokens": False}
+        if self.stop_token_ids:
+            p["stop_token_ids"] = list(self.stop_token_ids)
+        if sample_seed is not None:
+            p["sampling_seed"] = int(sample_seed)
+        return p
+
+
+@dataclasses.dataclass
+class RetryEvent:
+    """One failed attempt that was retried."""
+
+    prompt_index: int
+    sample_index: int
+    attempt: int
+    url: str
+    reason: str
+    time: float
+
+
+_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
+                      asyncio.TimeoutError)
+
+
+class ServerAPI:
+    """SGLang's HTTP endpoints on one server (sglang 0.5.23 routes and payloads)."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def _request(self, method: str, route: str, payload: dict | None = None,
+                       timeout: float | None = None) -> Any:
+        t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
+        async with self.session.request(method, self.url + route, json=payload, timeout=t) as r:
+            text = await r.text()
+            if r.status != 200:
+                raise SGLangHTTPError(self.url, route, r.status, text)
+            if r.content_type == "application/json":
+                return await r.json(content_type=None)
+            return text
+
+    async def post(self, route: str, payload: dict | None = None, timeout: float | None = None):
+        return await self._request("POST", route, payload if payload is not None else {}, timeout)
+
+    async def get(self, route: str, timeout: float | None = None):
+        return await self._request("GET", route, None, timeout)
+
+    # --- health and info --------------------------------------------------------------------
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            await self.get("/health", timeout=timeout)
+            return True
+        except (SGLangHTTPError, *_CONNECTION_ERRORS):
+            return False
+
+    async def get_model_info(self) -> dict:
+        return await self.get("/get_model_info")
+
+    async def get_server_info(self) -> dict:
+        return await self.get("/get_server_info")
+
+    # --- generation -------------------------------------------------------------------------
+    async def generate(self, payload: dict, timeout: float | None = None) -> dict:
+        return await self.post("/generate", payload, timeout)
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        await self.post("/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        """mode: "abort" (running requests end with finish_reason abort), "retract" (back to the
+        queue, KV freed) or "in_place" (kept, resumed by continue_generation)."""
+        return await self.post("/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self.post("/continue_generation", {})
+
+    async def flush_cache(self) -> str:
+        return await self.post("/flush_cache")
+
+    # --- weights ----------------------------------------------------------------------------
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        return await self.post("/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> dict:
+        return await self.post("/end_weight_update", {})
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[bytes | str], *,
+                                         load_format: str | None = None, flush_cache: bool = True,
+                                         weight_version: str | None = None,
+                                         abort_all_requests: bool = False) -> dict:
+        """`serialized_named_tensors`: one entry per TP rank of the server, each SGLang's
+        `MultiprocessingSerializer.serialize(named_tensors)` bytes (sent base64-encoded)."""
+        enc = [base64.b64encode(s).decode() if isinstance(s, bytes) else s
+               for s in serialized_named_tensors]
+        return await self.post("/update_weights_from_tensor", {
+            "serialized_named_tensors": enc, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version,
+            "abort_all_requests": abort_all_requests})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, *,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout: float | None = None) -> dict:
+        """The server's ranks join a process group with the trainer (which is rank 0)."""
+        return await self.post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend}, timeout)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self.post("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *,
+                                              group_name: str = "weight_update_group",
+                                              flush_cache: bool = True,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None,
+                                              timeout: float | None = None) -> dict:
+        """The server receives these tensors by broadcast from the trainer over the group."""
+        return await self.post("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
+            "load_format": load_format}, timeout)
+
+    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
+                                       weight_version: str | None = None,
+                                       flush_cache: bool = True,
+                                       abort_all_requests: bool = False) -> dict:
+        return await self.post("/update_weights_from_disk", {
+            "model_path": model_path, "load_format": load_format, "weight_version": weight_version,
+            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests})
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
+        return await self.post("/update_weight_version", {
+            "new_version": new_version, "abort_all_requests": abort_all_requests})
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.post("/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
+        return await self.post("/resume_memory_occupation", {"tags": tags})
+
+
+class RolloutClient:
+    """Generation over a pool of SGLang servers (see the module docstring for the guarantees).
+
+    `servers`: fixed URLs, or a pool with `urls()` (e.g. an EngineManager) read at every pick.
+    `moe_topk`: the router's top-k (num_experts_per_tok), needed to decode routed experts.
+    """
+
+    def __init__(self, servers: Sequence[str] | ServerPool, *, request_timeout: float = 600.0,
+                 connect_timeout: float = 10.0, max_attempts: int = 6,
+                 backoff_initial: float = 0.5, backoff_max: float = 8.0,
+                 server_wait_timeout: float = 300.0, max_inflight_per_server: int = 64,
+                 moe_topk: int | None = None):
+        self._urls: Callable[[], list[str]] = (
+            (lambda: list(servers)) if isinstance(servers, (list, tuple)) else servers.urls)
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.max_attempts = max_attempts
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.server_wait_timeout = server_wait_timeout
+        self.max_inflight_per_server = max_inflight_per_server
+        self.moe_topk = moe_topk
+        self.retry_events: list[RetryEvent] = []
+        self._down: dict[str, float] = {}
+        self._inflight: dict[str, dict[str, tuple[int, int]]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._aborted = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+
+    # --- session ----------------------------------------------------------------------------
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout,
+                                              sock_connect=self.connect_timeout))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "RolloutClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def server(self, url: str) -> ServerAPI:
+        return ServerAPI(url, self.session, self.request_timeout)
+
+    def servers(self) -> list[ServerAPI]:
+        return [self.server(u) for u in self._urls()]
+
+    async def broadcast(self, method: str, *args, **kwargs) -> list[Any]:
+        """Call one ServerAPI method on every server concurrently; results in URL order."""
+        return list(await asyncio.gather(*(getattr(s, method)(*args, **kwargs)
+                                           for s in self.servers())))
+
+    # --- server choice ----------------------------------------------------------------------
+    async def _pick(self, avoid: str | None) -> str:
+        deadline = time.monotonic() + self.server_wait_timeout
+        delay = self.backoff_initial
+        while True:
+            if self._aborted.is_set():
+                raise GenerationAborted("generation aborted")
+            urls = self._urls()
+            for u in [u for u in urls if u in self._down]:
+                if await self.server(u).health(timeout=2.0):
+                    logger.warning("server %s answers /health again; back in rotation", u)
+                    del self._down[u]
+            up = [u for u in urls if u not in self._down]
+            if up:
+                others = [u for u in up if u != avoid] or up
+                return min(others, key=lambda u: len(self._inflight.get(u, {})))
+            if time.monotonic() > deadline:
+                raise RolloutError(f"no SGLang server reachable for {self.server_wait_timeout:.0f}s "
+                                   f"(all down: {sorted(self._down)})")
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.backoff_max)
+
+    # --- generation -------------------------------------------------------------------------
+    async def _attempt(self, url: str, payload: dict) -> dict:
+        api = self.server(url)
+        try:
+            out = await api.generate(payload, timeout=self.request_timeout)
+        except SGLangHTTPError as e:
+            if e.status >= 500:
+                raise _Retryable(f"HTTP {e.status}: {e.body[:200]}", server_down=True) from e
+            raise
+        except asyncio.TimeoutError as e:
+            # The server may still be working on it: abort that attempt there, best effort.
+            try:
+                await asyncio.wait_for(api.abort_request(payload["rid"]), 5.0)
+            except Exception:
+                pass
+            raise _Retryable(f"no answer within {self.request_timeout:.0f}s", server_down=True) from e
+        except _CONNECTION_ERRORS as e:
+            raise _Retryable(f"{type(e).__name__}: {e}", server_down=True) from e
+        if isinstance(out, list):
+            out = out[0]
+        fr = out.get("meta_info", {}).get("finish_reason")
+        if (fr.get("type") if isinstance(fr, dict) else fr) == "abort":
+            if self._aborted.is_set():
+                raise GenerationAborted("generation aborted")
+            raise _Retryable(f"aborted by the server ({fr})", server_down=False)
+        return out
+
+    async def _sample(self, batch: str, i: int, j: int, prompt: list[int], payload_base: dict,
+                      sampling: SamplingParams, n: int, top_k: int, routed: bool,
+                      sem: dict[str, asyncio.Semaphore]) -> RolloutRecord:
+        seed = None if sampling.seed is None else sampling.seed + i * n + j
+        errors: list[str] = []
+        url = None
+        delay = self.backoff_initial
+        for attempt in range(self.max_attempts):
+            url = await self._pick(avoid=url if errors else None)
+            rid = f"{batch}-{i}-{j}-a{attempt}"
+            payload = dict(payload_base, input_ids=prompt, rid=rid,
+                           sampling_params=sampling.to_sglang(seed))
+            sem.setdefault(url, asyncio.Semaphore(self.max_inflight_per_server))
+            async with sem[url]:
+                self._inflight.setdefault(url, {})[rid] = (i, j)
+                try:
+                    out = await self._attempt(url, payload)
+                except _Retryable as e:
+                    errors.append(f"{url}: {e}")
+                    if e.server_down and url not in self._down:
+                        self._down[url] = time.monotonic()
+                        logger.error("server %s failed (%s); marking it down", url, e)
+                    self.retry_events.append(RetryEvent(i, j, attempt, url, str(e), time.time()))
+                    logger.warning("sample (prompt %d, sample %d) attempt %d on %s failed: %s; "
+                                   "retrying", i, j, attempt, url, e)
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, self.backoff_max)
+                    continue
+                finally:
+                    self._inflight[url].pop(rid, None)
+            return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
+                                      temperature=sampling.temperature, top_k=top_k,
+                                      moe_topk=self.moe_topk if routed else None)
+        raise RolloutError(f"sample (prompt {i}, sample {j}) failed {self.max_attempts} times; "
+                           f"nothing was returned for it. Errors: " + " | ".join(errors))
+
+    async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
+                       n: int = 1, top_k_logprobs: int = 0,
+                       return_routed_experts: bool = False) -> list[list[RolloutRecord]]:
+        """n samples for each prompt (token ids): result[i][j] is sample j of prompt i."""
+        if return_routed_experts and self.moe_topk is None:
+            raise ValueError("return_routed_experts needs moe_topk (the model's num_experts_per_tok)")
+        self._aborted.clear()
+        batch = uuid.uuid4().hex[:12]
+        payload_base = {"return_logprob": True, "logprob_start_len": -1, "stream": False}
+        if top_k_logprobs:
+            payload_base["top_logprobs_num"] = top_k_logprobs
+        if return_routed_experts:
+            payload_base.update(return_routed_experts=True, routed_experts_start_len=0)
+        sem: dict[str, asyncio.Semaphore] = {}
+        keys = list(itertools.product(range(len(prompts)), range(n)))
+        tasks = {(i, j): asyncio.ensure_future(self._sample(
+                    batch, i, j, list(map(int, prompts[i])), payload_base, sampling, n,
+                    top_k_logprobs, return_routed_experts, sem)) for i, j in keys}
+        self._tasks.update(tasks.values())
+        try:
+            await asyncio.gather(*tasks.values())
+        except BaseException as e:
+            for t in tasks.values():
+                t.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            if self._aborted.is_set() and not isinstance(e, GenerationAborted):
+                raise GenerationAborted("generation aborted by RolloutClient.abort()") from e
+            raise
+        finally:
+            self._tasks.difference_update(tasks.values())
+        out = [[tasks[(i, j)].result() for j in range(n)] for i in range(len(prompts))]
+        assert all(r.prompt_index == i and r.sample_index == j
+                   for i, row in enumerate(out) for j, r in enumerate(row))
+        return out
+
+    async def abort(self) -> None:
+        """Abort every in-flight request of this client; running `generate` calls raise
+        GenerationAborted."""
+        self._aborted.set()
+        calls = [self.server(u).abort_request(rid)
+                 for u, rids in self._inflight.items() for rid in list(rids)]
+        await asyncio.gather(*calls, return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()

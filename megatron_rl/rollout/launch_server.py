@@ -1,0 +1,64 @@
+"""Start one SGLang server with this project's SGLang patches applied in every server process.
+
+    python -m megatron_rl.rollout.launch_server --model-path CKPT --device cpu --dtype float32 ...
+
+takes SGLang's own server arguments and runs SGLang's HTTP server entry point
+(`sglang.launch_server`) with them. With `--device cpu` it first applies `patches.sglang_cpu`.
+
+Why a launcher module: SGLang runs its scheduler and detokenizer in children started with
+multiprocessing's *spawn*, which re-imports the parent's `__main__` module (as `__mp_main__`)
+in each child before unpickling anything. Applying the patches at this module's import time is
+therefore what puts them in the children too; `SGLANG_USE_CPU_ENGINE=1`, set here and inherited
+through the environment, tells each child that it serves on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _device(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def apply_patches() -> None:
+    """Apply the SGLang patches this process needs (CPU serving only; nothing on GPU)."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        from patches import sglang_cpu
+
+        sglang_cpu.apply()
+
+
+if __name__ == "__main__" and _device(sys.argv[1:]) == "cpu":
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+# Runs in the launching process and, through spawn's re-import of __main__, in every child.
+apply_patches()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if _device(argv) == "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+        apply_patches()
+    # Same steps as `python -m sglang.launch_server` (sglang 0.5.23's __main__ block).
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

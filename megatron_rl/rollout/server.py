@@ -1,0 +1,324 @@
+"""SGLang server lifecycle: launch N servers, wait for health, capture logs, restart the dead.
+
+Each server is one `python -m megatron_rl.rollout.launch_server ...` process (SGLang's own HTTP
+server with this project's patches applied in all its processes), on its own free port, with its
+stdout+stderr appended to `<log_dir>/server<i>.log`. A server is stopped by SIGTERM to its main
+process only, then SIGKILL to that process if it has not exited after `stop_timeout`: SGLang's
+main process takes its scheduler/detokenizer children down itself, and signalling the whole
+process group would send it down its crash path instead. Processes are never looked up by name.
+
+On CPU (`device="cpu"`) SGLang runs with `SGLANG_USE_CPU_ENGINE=1` and patches/sglang_cpu.py;
+on GPU (`device="cuda"`) the same command runs with `--device cuda`, no CPU patches, and
+`gpu_ids` choosing each server's GPUs through CUDA_VISIBLE_DEVICES.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """How to launch each SGLang server (one config shared by all servers of a manager)."""
+
+    model_path: str
+    """HF checkpoint folder (or hub id where a hub is reachable)."""
+    device: str = "cpu"
+    """"cpu" or "cuda"."""
+    dtype: str = "float32"
+    """SGLang --dtype; on CPU give it explicitly ("auto" would serve fp16)."""
+    tp_size: int = 1
+    """Tensor-parallel size of each server."""
+    dp_size: int = 1
+    """Data-parallel replicas inside each server."""
+    mem_fraction_static: float | None = None
+    """--mem-fraction-static (weights + KV cache share of device memory); None: SGLang's default."""
+    max_total_tokens: int | None = None
+    """--max-total-tokens, a cap on the KV cache (keeps CPU servers small); None: from memory."""
+    enable_return_routed_experts: bool = False
+    """--enable-return-routed-experts (MoE router replay)."""
+    enable_memory_saver: bool = False
+    """--enable-memory-saver (GPU: release/resume memory around training when colocated)."""
+    host: str = "127.0.0.1"
+    """Address the servers listen on."""
+    extra_args: tuple[str, ...] = ()
+    """Further SGLang server arguments, passed through verbatim."""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment variables for the server processes."""
+    startup_timeout: float = 300.0
+    """Seconds to wait for a server to become healthy."""
+    stop_timeout: float = 30.0
+    """Seconds to wait after SIGTERM before SIGKILL."""
+    python: str = sys.executable
+    """Interpreter that runs the launcher."""
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def http_ok(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class SGLangServer:
+    """One SGLang server process: start, health, stop, restart (on the same port if it is free)."""
+
+    def __init__(self, index: int, config: ServerConfig, port: int, log_path: Path,
+                 gpu_ids: list[int] | None = None):
+        self.index = index
+        self.config = config
+        self.port = port
+        self.log_path = Path(log_path)
+        self.gpu_ids = gpu_ids
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self._log_file = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def command(self) -> list[str]:
+        c = self.config
+        cmd = [c.python, "-m", "megatron_rl.rollout.launch_server",
+               "--model-path", str(c.model_path), "--device", c.device, "--dtype", c.dtype,
+               "--host", c.host, "--port", str(self.port), "--tp-size", str(c.tp_size),
+               "--dp-size", str(c.dp_size)]
+        if c.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(c.max_total_tokens)]
+        if c.enable_return_routed_experts:
+            cmd.append("--enable-return-routed-experts")
+        if c.enable_memory_saver:
+            cmd.append("--enable-memory-saver")
+        return cmd + list(c.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.env)
+        if self.config.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        elif self.gpu_ids is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
+        return env
+
+    def start(self) -> None:
+        if self.is_alive():
+            raise RuntimeError(f"server {self.index} ({self.url}) is already running")
+        if not _port_free(self.config.host, self.port):
+            old = self.port
+            self.port = free_port(self.config.host)
+            logger.warning("server %d: port %d busy, moving to %d", self.index, old, self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._close_log()
+        self._log_file = open(self.log_path, "ab")
+        self._log_file.write(f"\n===== megatron-rl: start #{self.restarts} of server {self.index} "
+                             f"on {self.url} at {time.strftime('%F %T')}: {' '.join(self.command())}\n"
+                             .encode())
+        self._log_file.flush()
+        self.proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self.environment())
+        logger.info("server %d: started pid %d on %s (log %s)", self.index, self.proc.pid, self.url,
+                    self.log_path)
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        return self.is_alive() and http_ok(self.url + "/health", timeout)
+
+    def wait_healthy(self, timeout: float | None = None) -> None:
+        """Block until the server answers /health_generate (it has run a real forward)."""
+        deadline = time.monotonic() + (self.config.startup_timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                raise ServerStartError(
+                    f"server {self.index} ({self.url}) exited with code {self.proc.returncode} "
+                    f"during start-up; last log lines:\n{self.log_tail()}")
+            if http_ok(self.url + "/health_generate", timeout=10):
+                return
+            time.sleep(0.5)
+        raise ServerStartError(f"server {self.index} ({self.url}) not healthy after "
+                               f"{timeout or self.config.startup_timeout:.0f}s; last log lines:\n"
+                               f"{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGTERM to the main process only; SIGKILL to it after `stop_timeout`."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(self.config.stop_timeout)
+            except subprocess.TimeoutExpired:
+                logger.warning("server %d (pid %d) ignored SIGTERM for %.0fs; sending SIGKILL",
+                               self.index, self.proc.pid, self.config.stop_timeout)
+                self.proc.kill()
+                self.proc.wait()
+        self._close_log()
+
+    def kill(self) -> None:
+        """SIGKILL the main process (a crash, for tests); its children exit on their own."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self, wait: bool = True) -> None:
+        self.stop()
+        self.restarts += 1
+        self.start()
+        if wait:
+            self.wait_healthy()
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class EngineManager:
+    """N SGLang servers: start all, wait for health, watch and restart dead ones, stop all.
+
+        with EngineManager(ServerConfig(model_path=ckpt), num_servers=2, log_dir=d) as mgr:
+            client = RolloutClient(mgr)  # mgr.urls() follows restarts
+    """
+
+    def __init__(self, config: ServerConfig, num_servers: int = 1, *, log_dir: str | Path,
+                 ports: list[int] | None = None, gpu_ids: list[list[int]] | None = None,
+                 watch_interval: float | None = 1.0):
+        if ports is not None and len(ports) != num_servers:
+            raise ValueError(f"{len(ports)} ports given for {num_servers} servers")
+        if gpu_ids is not None and len(gpu_ids) != num_servers:
+            raise ValueError(f"{len(gpu_ids)} GPU lists given for {num_servers} servers")
+        self.config = config
+        self.log_dir = Path(log_dir)
+        ports = ports or self._free_ports(num_servers)
+        self.servers = [
+            SGLangServer(i, config, ports[i], self.log_dir / f"server{i}.log",
+                         gpu_ids[i] if gpu_ids is not None else None)
+            for i in range(num_servers)
+        ]
+        self.watch_interval = watch_interval
+        self.restart_events: list[tuple[int, float, int | None]] = []
+        """(server index, time, exit code) for every restart the watchdog made."""
+        self._lock = threading.Lock()
+        self._stop_event = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._atexit_registered = False
+
+    def _free_ports(self, n: int) -> list[int]:
+        ports: list[int] = []
+        while len(ports) < n:
+            p = free_port(self.config.host)
+            # SGLang also uses a few ports above its HTTP port; keep servers apart.
+            if all(abs(p - q) > 16 for q in ports):
+                ports.append(p)
+        return ports
+
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> "EngineManager":
+        if not self._atexit_registered:
+            atexit.register(self.stop)
+            self._atexit_registered = True
+        for s in self.servers:
+            s.start()
+        try:
+            for s in self.servers:
+                s.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        if self.watch_interval:
+            self._stop_event.clear()
+            self._watchdog = threading.Thread(target=self._watch, name="sglang-watchdog", daemon=True)
+            self._watchdog.start()
+        return self
+
+    def dead_servers(self) -> list[int]:
+        return [s.index for s in self.servers if not s.is_alive()]
+
+    def restart_dead(self) -> list[int]:
+        """Restart every server whose process has exited; return their indices."""
+        restarted = []
+        with self._lock:
+            for s in self.servers:
+                if self._stop_event.is_set():
+                    break
+                if s.proc is not None and not s.is_alive():
+                    code = s.proc.returncode
+                    logger.error("server %d (%s, pid %d) died with exit code %s; restarting it. "
+                                 "Last log lines:\n%s", s.index, s.url, s.pid, code, s.log_tail(15))
+                    self.restart_events.append((s.index, time.time(), code))
+                    s.restart(wait=True)
+                    restarted.append(s.index)
+        return restarted
+
+    def _watch(self) -> None:
+        while not self._stop_event.wait(self.watch_interval):
+            try:
+                self.restart_dead()
+            except Exception:  # keep watching; the failure is in the server's log
+                logger.exception("watchdog: restart failed")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join()
+            self._watchdog = None
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> "EngineManager":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

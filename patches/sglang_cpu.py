@@ -1,0 +1,133 @@
+"""Run SGLang 0.5.23 on CPU: the fixes its CPU mode needs on a machine without CUDA.
+
+Applied only when SGLang runs on CPU, and inside every SGLang process (the HTTP server and the
+scheduler / detokenizer children it spawns): `megatron_rl.rollout.launch_server` applies it at
+import time, and multiprocessing's spawn re-imports that module in each child before anything
+SGLang is unpickled there.
+
+Pieces (each needed to serve a tiny Qwen3 / Qwen3-MoE with `--device cpu`):
+- the extras folder (`<venv>/sglang-cpu-extras`, requirements/sglang-cpu-extras.txt) on
+  sys.path: triton (imported unconditionally, never run on CPU) and torchvision live there, not
+  in site-packages, so the learner's transformers / megatron-core never see them;
+- `SGLANG_USE_CPU_ENGINE=1`: without it SGLang's rotary embedding imports vllm on CPU;
+- the torchvision guard: `import sglang` imports torchvision, and PyPI's torchvision 0.28.0 is
+  built against CUDA torch, so its `_C` extension does not load beside the CPU build of torch
+  2.13.0 and `_meta_registrations` fails on `register_fake("torchvision::nms" / "qnms")` (the
+  other ops there are guarded upstream by `extension._has_ops()`; those two are not). The guard
+  imports torchvision once with those two registrations skipped when the op does not exist;
+  torchvision's image ops stay unavailable (SGLang never calls them for text models);
+- the `sgl_kernel` import shim (patches/sgl_kernel_shim): SGLang imports `sgl_kernel` names at
+  module level, no CPU wheel exists, and without AMX none is ever called; any call raises;
+- the routed-experts host buffer (`--enable-return-routed-experts`): `BaseHostCache` allocates
+  through `ALLOC_MEMORY_FUNCS[device]`, whose default registers the buffer with
+  `cudaHostRegister`, which fails without CUDA. On CPU the buffer already lives in host memory,
+  so it is allocated plainly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from patches._guard import require_version
+
+SUPPORTED = ("0.5.23",)
+TORCHVISION_SUPPORTED = ("0.28.0",)
+SHIM_DIR = Path(__file__).resolve().parent / "sgl_kernel_shim"
+EXTRAS_DIR = Path(sys.prefix) / "sglang-cpu-extras"
+_TORCHVISION_UNGUARDED_FAKES = ("torchvision::nms", "torchvision::qnms")
+_applied = False
+
+
+def add_extras_dir() -> None:
+    """Put the CPU extras folder (triton, torchvision) on sys.path, after site-packages."""
+    if EXTRAS_DIR.is_dir() and str(EXTRAS_DIR) not in sys.path:
+        sys.path.append(str(EXTRAS_DIR))
+        importlib.invalidate_caches()
+
+
+def _op_exists(qualname: str) -> bool:
+    import torch
+
+    ns, name = qualname.split("::")
+    try:
+        getattr(getattr(torch.ops, ns), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def guard_torchvision(version: str | None = None) -> bool:
+    """Import torchvision with its unguarded fake registrations skipped for missing ops.
+
+    Returns True when torchvision's compiled ops are unavailable (the guard had to act).
+    Refuses a torchvision other than the one this guard was written for.
+    """
+    import torch.library
+
+    require_version("torchvision", TORCHVISION_SUPPORTED, "sglang_cpu.torchvision", version)
+    if "torchvision" in sys.modules:
+        return not _op_exists("torchvision::nms")
+    original = torch.library.register_fake
+    skipped = []
+
+    def register_fake(op, *args, **kwargs):
+        if isinstance(op, str) and op in _TORCHVISION_UNGUARDED_FAKES and not _op_exists(op):
+            skipped.append(op)
+            return lambda fn: fn
+        return original(op, *args, **kwargs)
+
+    torch.library.register_fake = register_fake
+    try:
+        import torchvision  # noqa: F401
+    finally:
+        torch.library.register_fake = original
+    return bool(skipped)
+
+
+def install_sgl_kernel_shim() -> bool:
+    """Make `import sgl_kernel` resolve to the shim unless a real build is importable."""
+    if "sgl_kernel" in sys.modules:
+        return getattr(sys.modules["sgl_kernel"], "IS_SHIM", False)
+    if importlib.util.find_spec("sgl_kernel") is not None:
+        return False
+    sys.path.append(str(SHIM_DIR))
+    import sgl_kernel  # noqa: F401
+
+    return True
+
+
+def plain_host_alloc(dims, dtype, device, pin_memory, allocator=None,
+                     registration_granularity_bytes=None):
+    """Host buffer for CPU serving: ordinary (unpinned) memory, no cudaHostRegister."""
+    import torch
+
+    return torch.empty(dims, dtype=dtype, device="cpu")
+
+
+def _patch_host_alloc() -> None:
+    from sglang.srt.mem_cache.pool_host import common
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = plain_host_alloc
+
+
+def apply(version: str | None = None, torchvision_version: str | None = None) -> None:
+    """Install the CPU fixes in this process (idempotent). Refuses an unexpected sglang.
+
+    Call before anything imports sglang (the torchvision guard and the shim must come first).
+    """
+    global _applied
+    add_extras_dir()
+    require_version("sglang", SUPPORTED, "sglang_cpu", version)
+    require_version("torchvision", TORCHVISION_SUPPORTED, "sglang_cpu.torchvision",
+                    torchvision_version)
+    if _applied:
+        return
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    guard_torchvision()
+    install_sgl_kernel_shim()
+    _patch_host_alloc()
+    _applied = True
