@@ -83,6 +83,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # As uvicorn binds: connections of a killed server left in TIME_WAIT do not block it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -191,10 +193,15 @@ class SGLangServer:
         except OSError:
             return "(no log)"
 
+    def terminate(self) -> None:
+        """Send SIGTERM to the main process only (not its process group); do not wait."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> None:
         """SIGTERM to the main process only; SIGKILL to it after `stop_timeout`."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(self.config.stop_timeout)
             except subprocess.TimeoutExpired:
@@ -314,6 +321,8 @@ class EngineManager:
         if self._watchdog is not None and self._watchdog is not threading.current_thread():
             self._watchdog.join()
             self._watchdog = None
+        for s in self.servers:  # all at once, then wait for each
+            s.terminate()
         for s in self.servers:
             s.stop()
 

@@ -1,0 +1,218 @@
+"""Real SGLang servers on CPU against HF transformers as the independent reference.
+
+(a) tiny Qwen3: every generated token's rollout log-prob and the top-K lists equal HF's
+    (fp32, temperature 1.0 and 0.7, HF logits divided by the temperature);
+(b) tiny Qwen3-MoE: the routed experts SGLang returns equal HF's router top-k for the same
+    tokens, with the alignment RolloutRecord documents;
+(c) a server SIGKILLed mid-generation: every prompt still ends with exactly n samples, no
+    duplicates, the retries are recorded, and the manager restarts the dead server.
+Servers start once per module (two fixtures: one dense server, two MoE servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from megatron_rl.models.tiny import make_tiny_checkpoint
+from megatron_rl.rollout.client import RolloutClient, SamplingParams
+from megatron_rl.rollout.records import decode_routed_experts, force_sampled_into_topk
+from megatron_rl.rollout.server import EngineManager, ServerConfig
+
+pytestmark = pytest.mark.slow
+
+K = 5
+MOE_TOPK = 2
+PROMPTS = [[5, 40, 41, 42], [1, 60, 61, 62, 63, 64, 65], [70, 71], [80, 81, 82, 83, 84]]
+
+
+def _hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_dense")
+    # A larger init std gives peaked, varied next-token distributions (not near-uniform).
+    ckpt = make_tiny_checkpoint(d / "ckpt", init_std=0.3, seed=1)
+    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096)
+    with EngineManager(cfg, 1, log_dir=d / "logs") as mgr:
+        yield ckpt, mgr
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sglang_moe")
+    ckpt = make_tiny_checkpoint(d / "ckpt", moe=True, topk=MOE_TOPK, init_std=0.3, seed=2)
+    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
+                       enable_return_routed_experts=True)
+    with EngineManager(cfg, 2, log_dir=d / "logs", watch_interval=0.5) as mgr:
+        yield ckpt, mgr
+
+
+def _generate(mgr, sampling, n, **kw):
+    async def go():
+        async with RolloutClient(mgr, moe_topk=MOE_TOPK) as client:
+            return await client.generate(PROMPTS, sampling, n=n, **kw), client.retry_events
+
+    return asyncio.run(go())
+
+
+def _check_against_hf(model, rec, temperature):
+    P, T = rec.prompt_ids.numel(), rec.response_ids.numel()
+    ids = torch.cat([rec.prompt_ids, rec.response_ids])
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float()
+    logp = torch.log_softmax(logits[P - 1 : P + T - 1] / temperature, dim=-1)  # [T, V]
+    ref = logp.gather(1, rec.response_ids[:, None])[:, 0]
+    torch.testing.assert_close(rec.rollout_logp, ref, atol=1e-4, rtol=0)
+    if rec.topk_ids is None:
+        return
+    # Every listed log-prob is HF's log-prob of that id.
+    torch.testing.assert_close(rec.topk_logp, logp.gather(1, rec.topk_ids), atol=1e-4, rtol=0)
+    hf_top = logp.topk(K, dim=-1)
+    for t in range(T):
+        ids_t = rec.topk_ids[t].tolist()
+        sampled = int(rec.response_ids[t])
+        assert sampled in ids_t and len(set(ids_t)) == K
+        assert bool((rec.topk_logp[t][:-1] >= rec.topk_logp[t][1:] - 1e-6).all())  # sorted
+        forced = sampled not in hf_top.indices[t].tolist()
+        listed = ids_t[:-1] if forced else ids_t
+        if forced:
+            assert ids_t[-1] == sampled
+        # The (unforced) entries are HF's top-K: same ids wherever HF's values are not tied
+        # within fp32 noise, and never below HF's K-th value.
+        kth = float(hf_top.values[t, K - 1])
+        assert float(logp[t, listed].min()) >= kth - 1e-4
+        expected = hf_top.indices[t, : len(listed)].tolist()
+        for a, b in zip(listed, expected):
+            assert a == b or abs(float(logp[t, a] - logp[t, b])) < 1e-4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_and_topk_match_hf(dense, temperature):
+    ckpt, mgr = dense
+    out, _ = _generate(mgr, SamplingParams(temperature=temperature, max_new_tokens=16), n=2,
+                       top_k_logprobs=K)
+    model = _hf_model(ckpt)
+    assert [len(row) for row in out] == [2] * len(PROMPTS)
+    n_tokens = 0
+    for i, row in enumerate(out):
+        for j, rec in enumerate(row):
+            assert (rec.prompt_index, rec.sample_index) == (i, j)
+            assert rec.prompt_ids.tolist() == PROMPTS[i]
+            assert rec.finish_reason in ("stop", "length") and rec.num_response_tokens >= 1
+            assert rec.routed_experts is None and rec.temperature == temperature
+            _check_against_hf(model, rec, temperature)
+            n_tokens += rec.num_response_tokens
+    assert n_tokens >= 16
+
+
+def test_stop_token_and_eos_are_kept(dense):
+    ckpt, mgr = dense
+    out, _ = _generate(mgr, SamplingParams(temperature=1.0, max_new_tokens=24,
+                                           stop_token_ids=list(range(3, 120))), n=1)
+    for (rec,) in out:
+        # almost every token is a stop token here: the record ends on it, log-prob included
+        assert rec.finish_reason == "stop"
+        assert 3 <= int(rec.response_ids[-1]) < 120 or int(rec.response_ids[-1]) == 2
+        _check_against_hf(_hf_model(ckpt), rec, 1.0)
+
+
+def test_routed_experts_match_hf_router(moe):
+    ckpt, mgr = moe
+    out, _ = _generate(mgr, SamplingParams(temperature=1.0, max_new_tokens=12), n=2,
+                       top_k_logprobs=K, return_routed_experts=True)
+    model = _hf_model(ckpt)
+    layers = model.model.layers
+    captured: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, inp, o: captured.append(o[0]))
+             for layer in layers]
+    try:
+        for row in out:
+            for rec in row:
+                P, T = rec.prompt_ids.numel(), rec.response_ids.numel()
+                _check_against_hf(model, rec, 1.0)  # log-probs of the MoE model too
+                captured.clear()
+                ids = torch.cat([rec.prompt_ids, rec.response_ids])[:-1]  # P+T-1 input positions
+                with torch.no_grad():
+                    model(ids[None])
+                # HF router logits per layer [P+T-1, E] -> top-k expert ids [P+T-1, L, k]
+                hf = torch.stack([lg.reshape(P + T - 1, -1).topk(MOE_TOPK, dim=-1).indices
+                                  for lg in captured], dim=1)
+                assert rec.routed_experts.shape == (T, len(layers), MOE_TOPK)
+                assert rec.prompt_routed_experts.shape == (P - 1, len(layers), MOE_TOPK)
+                seq = rec.sequence_routed_experts()
+                assert torch.equal(seq.sort(-1).values.long(), hf.sort(-1).values)
+                # routed_experts[t] is the step that produced response token t: position P-1+t
+                assert torch.equal(rec.routed_experts.sort(-1).values.long(),
+                                   hf[P - 1 :].sort(-1).values)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_killed_server_mid_generation(moe):
+    ckpt, mgr = moe
+    victim = mgr.servers[0]
+    victim_url = victim.url
+    n = 4
+
+    async def go():
+        async with RolloutClient(mgr, moe_topk=MOE_TOPK, backoff_initial=0.2) as client:
+            task = asyncio.ensure_future(client.generate(
+                PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=150), n=n,
+                top_k_logprobs=K, return_routed_experts=True))
+            deadline = time.monotonic() + 60
+            while not client._inflight.get(victim_url) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            in_flight = len(client._inflight.get(victim_url, {}))
+            await asyncio.sleep(0.3)
+            victim.kill()  # SIGKILL the server's main process while its requests run
+            return await task, client.retry_events, in_flight
+
+    out, events, in_flight = asyncio.run(go())
+    assert in_flight > 0
+    keys = [(r.prompt_index, r.sample_index) for row in out for r in row]
+    assert len(keys) == len(set(keys)) == len(PROMPTS) * n
+    assert all(len(row) == n for row in out)
+    assert all(r.finish_reason in ("stop", "length") for row in out for r in row)
+    assert any(e.url == victim_url for e in events), events
+    # the watchdog notices the death and brings the server back on its port
+    deadline = time.monotonic() + 240
+    while not (mgr.restart_events and victim.healthy()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert [e[0] for e in mgr.restart_events] == [0]
+    assert victim.healthy() and victim.restarts == 1 and victim.url == victim_url
+    # the restarted server serves correct routed experts again
+    out2, _ = _generate(mgr, SamplingParams(temperature=1.0, max_new_tokens=4), n=2,
+                        return_routed_experts=True)
+    assert all(r.routed_experts.shape[0] == r.num_response_tokens for row in out2 for r in row)
+
+
+# --- record construction (pure) ------------------------------------------------------------
+def test_force_sampled_into_topk():
+    ids = torch.tensor([[7, 3, 9], [1, 2, 4]])
+    logp = torch.tensor([[-0.1, -0.5, -0.9], [-0.2, -0.3, -0.4]])
+    new_ids, new_logp = force_sampled_into_topk(ids, logp, torch.tensor([3, 8]),
+                                                torch.tensor([-0.5, -3.0]))
+    assert new_ids.tolist() == [[7, 3, 9], [1, 2, 8]]
+    assert new_logp.tolist()[1] == pytest.approx([-0.2, -0.3, -3.0])
+    assert ids.tolist() == [[7, 3, 9], [1, 2, 4]]  # inputs untouched
+
+
+def test_decode_routed_experts_layout():
+    import base64
+
+    import numpy as np
+
+    arr = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2)
+    b64 = base64.b64encode(arr.tobytes()).decode()
+    assert torch.equal(decode_routed_experts(b64, 5, 2), torch.from_numpy(arr))
+    with pytest.raises(ValueError, match="rows"):
+        decode_routed_experts(b64, 4, 2)
