@@ -111,14 +111,21 @@ class Learner:
     # ------------------------------------------------------------------------------------------
     # batches
     # ------------------------------------------------------------------------------------------
-    def _local_micro_batches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict], int]:
-        """This DP rank's contiguous slice of the global batch, padded and cut into micro-batches."""
+    def _local_micro_batches(self, batch: dict[str, torch.Tensor]) -> tuple[list[dict], int, int]:
+        """This DP rank's contiguous slice of the global batch, padded and cut into micro-batches.
+
+        Returns (micro-batches, padded sequence length, micro-batch size); a batch smaller than
+        dp x micro_batch_size (a probe) runs as micro-batches of what each rank has.
+        """
         B = batch["input_ids"].shape[0]
-        dp, mbs = self.ctx.dp, self.cfg.learner.micro_batch_size
-        if B % (dp * mbs):
-            raise ValueError(f"global batch of {B} sequences is not divisible by dp*micro_batch_size "
-                             f"= {dp}*{mbs}")
+        dp = self.ctx.dp
+        if B % dp:
+            raise ValueError(f"global batch of {B} sequences is not divisible by dp = {dp}")
         per_rank = B // dp
+        mbs = min(self.cfg.learner.micro_batch_size, per_rank)
+        if per_rank % mbs:
+            raise ValueError(f"{per_rank} sequences per data-parallel rank are not divisible by "
+                             f"learner.micro_batch_size = {mbs}")
         lo = self.ctx.dp_rank * per_rank
         S = batch["input_ids"].shape[1]
         mult = self.cfg.learner.pad_to_multiple_of * (self.ctx.tp if self.ctx.sequence_parallel else 1)
@@ -134,12 +141,12 @@ class Learner:
                 mb[k] = v.to(self.ctx.device)
             mb["position_ids"] = torch.arange(S_pad, device=self.ctx.device).expand(mb["input_ids"].shape[0], -1)
             mbs_list.append(mb)
-        return mbs_list, S_pad
+        return mbs_list, S_pad, mbs
 
     def run_micro_batches(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro_batches, S = self._local_micro_batches(batch)
+        micro_batches, S, mbs = self._local_micro_batches(batch)
 
         replay = self.router_replay
 
@@ -160,7 +167,7 @@ class Learner:
             model=self.model,
             num_microbatches=len(micro_batches),
             seq_length=S,
-            micro_batch_size=self.cfg.learner.micro_batch_size,
+            micro_batch_size=mbs,
             forward_only=forward_only,
         )
 

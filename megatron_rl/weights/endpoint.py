@@ -1,0 +1,39 @@
+"""A rollout server's admin endpoint as the weight transports see it: a URL, its TP size, POST.
+
+Kept to plain HTTP+JSON so the transports do not depend on the async rollout client.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerEndpoint:
+    url: str  # e.g. http://127.0.0.1:30000
+    tp_size: int = 1  # the server's tensor-parallel ranks (each joins the update group)
+
+    def post(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
+        req = urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(payload or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                body = resp.read()
+        except urllib.error.HTTPError as e:
+            raise WeightSyncError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise WeightSyncError(f"{self.url}{path}: {e}") from None
+        try:
+            out = json.loads(body) if body else {}
+        except json.JSONDecodeError:  # some admin routes (e.g. /flush_cache) answer in plain text
+            out = {"text": body.decode(errors="replace")}
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightSyncError(f"{self.url}{path}: {out.get('message')}")
+        return out

@@ -1,0 +1,91 @@
+"""Weight sync over a process group of the learner's rank 0 and every server's TP ranks.
+
+The learner (rank 0 of the group) broadcasts each bucket as one flat byte tensor (SGLang's
+`flattened_bucket` load format) while each server, asked over HTTP, receives it and loads it.
+NCCL on GPU, gloo on CPU; servers may sit on other nodes. Every update runs inside
+begin/end_weight_update (SGLang refuses it otherwise) and ends with a cache flush.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.weights.buckets import bucketize
+from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError
+
+
+class DistributedWeightSync:
+    def __init__(self, servers: Sequence[ServerEndpoint], *, master_addr: str, master_port: int,
+                 backend: str | None = None, group_name: str = "megatron_rl_weights",
+                 bucket_bytes: int = 256 << 20, timeout_s: float = 600.0):
+        self.servers = list(servers)
+        self.master_addr, self.master_port = master_addr, master_port
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.group_name, self.bucket_bytes, self.timeout_s = group_name, bucket_bytes, timeout_s
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.group = None
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
+
+    def _all(self, path: str, payload: dict) -> list[dict]:
+        futures = [self._pool.submit(s.post, path, payload, self.timeout_s) for s in self.servers]
+        return [f.result() for f in futures]
+
+    def connect(self) -> None:
+        """Form the group: the servers join over HTTP while this process joins as rank 0."""
+        from megatron_rl.weights.process_group import new_side_group
+
+        world = 1 + sum(s.tp_size for s in self.servers)
+        offsets, nxt = [], 1
+        for s in self.servers:
+            offsets.append(nxt)
+            nxt += s.tp_size
+        futures = [
+            self._pool.submit(s.post, "/init_weights_update_group", {
+                "master_address": self.master_addr, "master_port": self.master_port,
+                "rank_offset": off, "world_size": world, "group_name": self.group_name,
+                "backend": self.backend}, self.timeout_s)
+            for s, off in zip(self.servers, offsets)
+        ]
+        self.group = new_side_group(self.backend, f"tcp://{self.master_addr}:{self.master_port}",
+                                    world_size=world, rank=0, group_name=self.group_name)
+        for f in futures:
+            f.result()
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict:
+        """Send every (HF name, tensor); returns {"bytes", "seconds", "buckets"}."""
+        if self.group is None:
+            raise WeightSyncError("DistributedWeightSync.push before connect()")
+        start, nbytes, nbuckets = time.perf_counter(), 0, 0
+        self._all("/begin_weight_update", {})
+        try:
+            for bucket in bucketize(named_tensors, self.bucket_bytes):
+                flat = bucket.flatten().to(self.device)
+                payload = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                           "group_name": self.group_name, "load_format": "flattened_bucket",
+                           "flush_cache": False, "weight_version": weight_version}
+                futures = [self._pool.submit(s.post, "/update_weights_from_distributed", payload,
+                                             self.timeout_s) for s in self.servers]
+                dist.broadcast(flat, src=0, group=self.group)
+                for f in futures:
+                    f.result()
+                nbytes += flat.numel()
+                nbuckets += 1
+        finally:
+            self._all("/end_weight_update", {})
+        self._all("/flush_cache", {})
+        return {"bytes": nbytes, "seconds": time.perf_counter() - start, "buckets": nbuckets}
+
+    def close(self) -> None:
+        if self.group is not None:
+            try:
+                self._all("/destroy_weights_update_group", {"group_name": self.group_name})
+            except WeightSyncError:
+                pass  # a server that is already gone has nothing to tear down
+            dist.destroy_process_group(self.group)
+            self.group = None
+        self._pool.shutdown(wait=False)
