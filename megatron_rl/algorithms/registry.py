@@ -1,8 +1,8 @@
 """Name → function registries for the algorithm library.
 
-Every policy loss, advantage estimator, KL estimator, aggregation mode, mismatch correction and
-sampled-token divergence is registered under a `kind` and a `name`; configs select them by name.
-An unknown name is an error that lists the valid names of that kind.
+Every policy loss, advantage estimator, KL estimator, aggregation mode, mismatch correction,
+sampled-token divergence and value loss is registered under a `kind` and a `name`; configs select
+them by name. An unknown name is an error that lists the valid names of that kind.
 
     @register("policy_loss", "dppo")
     def dppo_loss(...): ...
@@ -17,7 +17,7 @@ from typing import Callable, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
-KINDS = ("policy_loss", "advantage", "kl", "aggregation", "correction", "divergence")
+KINDS = ("policy_loss", "advantage", "kl", "aggregation", "correction", "divergence", "value_loss")
 
 _REGISTRY: dict[str, dict[str, Callable]] = {kind: {} for kind in KINDS}
 
@@ -30,6 +30,7 @@ _MODULES = (
     "divergence",
     "kl",
     "policy_losses",
+    "value_loss",
 )
 
 

@@ -46,9 +46,14 @@ def _finalize_without_rescale(model, num_tokens=None, pg_collection=None, force_
 
 
 class Learner:
-    """Megatron GPTModel chunks + DDP + optimizer for one parallel layout."""
+    """Megatron GPTModel chunks + DDP + optimizer for one parallel layout.
 
-    def __init__(self, cfg: JobConfig, ctx: ParallelContext, run_dir: str, total_steps: int = 1):
+    `trainable=False` builds a frozen, forward-only model (reward / reference models): the same
+    chunks and forward passes, no DDP grad buffers, no optimizer.
+    """
+
+    def __init__(self, cfg: JobConfig, ctx: ParallelContext, run_dir: str, total_steps: int = 1,
+                 *, trainable: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -59,13 +64,15 @@ class Learner:
         model_parallel_cuda_manual_seed(cfg.model.seed)
         self.hf_path = resolve_hf_path(cfg.model, run_dir)
         self.bridge = make_bridge(self.hf_path, cfg.model, ctx)
-        chunks = build_model_chunks(self.bridge, ctx)
-        load_hf_weights(self.bridge, chunks, self.hf_path)
+        chunks = self._build_chunks()
         self.config = chunks[0].config
         self.dtype = resolve_dtype(cfg.model.dtype)
         if self.dtype != torch.float32:
             chunks = [Float16Module(self.config, c) for c in chunks]
         self.vocab_size = self.bridge.hf_config.vocab_size
+        if not trainable:
+            self._init_forward_only(chunks)
+            return
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -107,6 +114,27 @@ class Learner:
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=1, wd_incr_style="constant",
         )
+
+    def _build_chunks(self) -> list[torch.nn.Module]:
+        """This rank's GPTModel chunks with the checkpoint loaded; subclasses with another output
+        layer (critic, reward model: learner/critic.py) override this."""
+        chunks = build_model_chunks(self.bridge, self.ctx)
+        load_hf_weights(self.bridge, chunks, self.hf_path)
+        return chunks
+
+    def _init_forward_only(self, chunks: list[torch.nn.Module]) -> None:
+        """A frozen model (`trainable=False`): no DDP grad buffers, no optimizer state."""
+        for c in chunks:
+            c.requires_grad_(False)
+        self.model = chunks
+        self.optimizer = self.scheduler = None
+        self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
+        self.router_replay = None
+        if self.config.num_moe_experts:
+            from megatron_rl.learner.router_replay import RouterReplayController
+
+            self.router_replay = RouterReplayController(self.model, self.ctx,
+                                                        recompute=self.cfg.model.recompute != "none")
 
     # ------------------------------------------------------------------------------------------
     # batches
@@ -216,6 +244,8 @@ class Learner:
         `routing="replay"` replays `batch["routed_experts"]` ([B, S, L, k], see router_replay.py)
         in every forward and recompute of the step (R2 / R3).
         """
+        if self.optimizer is None:
+            raise RuntimeError("this model was built with trainable=False (forward-only)")
         loss_fn = loss_fn or partial(masked_nll_loss, denom=float(batch["loss_mask"].sum().clamp(min=1)))
         for m in self.model:
             m.train()
