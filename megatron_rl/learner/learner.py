@@ -164,7 +164,9 @@ class Learner:
             for k, v in batch.items():
                 v = v[start:start + mbs]
                 if v.dim() >= 2 and v.shape[1] == S and S_pad != S:
-                    pad = v.new_zeros((v.shape[0], S_pad - S, *v.shape[2:]))
+                    # Padded positions have no route: -1 (router_replay.py), not expert 0.
+                    fill = -1 if k == "routed_experts" else 0
+                    pad = v.new_full((v.shape[0], S_pad - S, *v.shape[2:]), fill)
                     v = torch.cat([v, pad], dim=1)
                 mb[k] = v.to(self.ctx.device)
             mb["position_ids"] = torch.arange(S_pad, device=self.ctx.device).expand(mb["input_ids"].shape[0], -1)
