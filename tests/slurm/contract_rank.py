@@ -1,0 +1,72 @@
+"""A stand-in learner rank that implements exactly the trainer's launch contract, nothing else.
+
+Used by tests/slurm/test_sbatch.py to test the sbatch script's signal path (USR1 -> srun -> every
+rank; wait; requeue; resume in the same run dir) in seconds and independently of the trainer:
+
+    contract_rank.py RECIPE [key=value ...]   reads train.out_dir=, train.steps=,
+                                              rollout.server_urls=[URL,...] (disaggregated)
+
+Given server URLs, every rank first asks each server for a few tokens (POST /generate) and writes
+what came back to <out_dir>/rollout-rank<R>.json. Then each "step" sleeps STEP_S; rank 0 appends
+{"step", "attempt"} to <out_dir>/metrics.jsonl. On
+SIGUSR1 or SIGTERM a rank finishes its step, rank 0 writes <out_dir>/checkpoints/latest (the
+step reached), every rank records `preempted-rank<R>-attempt<N>` and exits 0. On start it resumes
+from checkpoints/latest. Ranks come from Slurm's variables, as the trainer reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+STEP_S = 0.5
+
+
+def main(argv: list[str]) -> int:
+    kv = dict(a.split("=", 1) for a in argv[1:] if "=" in a)
+    out = Path(kv["train.out_dir"])
+    steps = int(kv.get("train.steps", 20))
+    rank = int(os.environ["SLURM_PROCID"])
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT", 0))
+    stop = []
+    signal.signal(signal.SIGUSR1, lambda *_: stop.append("USR1"))
+    signal.signal(signal.SIGTERM, lambda *_: stop.append("TERM"))
+    ckpt = out / "checkpoints" / "latest"
+    step = int(ckpt.read_text()) if ckpt.exists() else 0
+    print(f"rank {rank}/{os.environ['SLURM_NTASKS']} attempt {attempt}: resuming at step {step}",
+          flush=True)
+    urls = kv.get("rollout.server_urls", "[]").strip("[]").split(",")
+    if urls != [""]:
+        replies = {}
+        for url in urls:
+            req = urllib.request.Request(
+                url + "/generate", headers={"Content-Type": "application/json"},
+                data=json.dumps({"input_ids": [5, 6, 7],
+                                 "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode())
+            with urllib.request.urlopen(req, timeout=120) as r:
+                replies[url] = json.loads(r.read())["output_ids"]
+        (out / f"rollout-rank{rank}.json").write_text(json.dumps(replies))
+    while step < steps:
+        time.sleep(STEP_S)
+        step += 1
+        if rank == 0:
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "attempt": attempt}) + "\n")
+        if stop:
+            if rank == 0:
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                ckpt.write_text(str(step))
+            (out / f"preempted-rank{rank}-attempt{attempt}").write_text(stop[0])
+            print(f"rank {rank}: {stop[0]} -> checkpoint at step {step}, exit 0", flush=True)
+            return 0
+    (out / f"finished-rank{rank}").write_text(str(step))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
