@@ -21,7 +21,17 @@ Pieces (each needed to serve a tiny Qwen3 / Qwen3-MoE with `--device cpu`):
 - the routed-experts host buffer (`--enable-return-routed-experts`): `BaseHostCache` allocates
   through `ALLOC_MEMORY_FUNCS[device]`, whose default registers the buffer with
   `cudaHostRegister`, which fails without CUDA. On CPU the buffer already lives in host memory,
-  so it is allocated plainly.
+  so it is allocated plainly;
+- seeded sampling (`--enable-deterministic-inference`, which is what makes SGLang honour each
+  request's `sampling_seed`): upstream allows it only with GPU attention backends and switches
+  on "batch-invariant mode", which swaps aten matmuls for Triton kernels. On CPU the attention
+  backend (`intel_amx` / `torch_native`) is added to the allowed list and batch-invariant mode is
+  left off (those kernels are CUDA-only); sampling then uses the seeded path
+  (`multinomial_with_seed`), whose hash has a Triton kernel and a `sgl_kernel` CPU op only:
+  `murmur_hash32_cpu` is registered here as torch code (the Triton kernel's arithmetic, bit for
+  bit), and the sampler's `torch.compile` wrapper is taken off on CPU (Inductor would build C++ at
+  the first request of every server). Whether the CPU kernels are batch-invariant is measured, not
+  assumed: tests/e2e/test_trainer.py's exact-resume test compares runs bit for bit.
 """
 
 from __future__ import annotations
@@ -114,6 +124,71 @@ def _patch_host_alloc() -> None:
     common.ALLOC_MEMORY_FUNCS["cpu"] = plain_host_alloc
 
 
+CPU_ATTENTION_BACKENDS = ("intel_amx", "torch_native")
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _rotl32(x, r: int):
+    return ((x << r) | (x >> (32 - r))) & _M32
+
+
+def _murmur3_mix(h, k):
+    k = (k * 0xCC9E2D51) & _M32  # int64 products wrap mod 2^64; the low 32 bits are exact
+    k = (_rotl32(k, 15) * 0x1B873593) & _M32
+    h = _rotl32(h ^ k, 13)
+    return (h * 5 + 0xE6546B64) & _M32
+
+
+def murmur_hash32_cpu(seed, positions, col_indices):
+    """[n, m] uint32 MurmurHash3 of (seed_lo, seed_hi, position, column): the arithmetic of
+    SGLang's Triton `murmur_hash32_kernel`, in int64 torch ops masked to 32 bits."""
+    import torch
+
+    seed = seed.to(torch.int64)[:, None]
+    h = _murmur3_mix(torch.zeros_like(seed), seed & _M32)
+    h = _murmur3_mix(h, (seed >> 32) & _M32)
+    h = _murmur3_mix(h, positions.to(torch.int64)[:, None] & _M32)
+    h = _murmur3_mix(h, col_indices.to(torch.int64)[None, :] & _M32)
+    h = h ^ 16
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    h = h ^ (h >> 16)
+    return h.to(torch.uint32)
+
+
+_sgl_kernel_lib = None  # keeps the op registration alive
+
+
+def _register_murmur_op() -> None:
+    global _sgl_kernel_lib
+    import torch
+
+    if _op_exists("sgl_kernel::murmur_hash32_cpu"):
+        return
+    _sgl_kernel_lib = torch.library.Library("sgl_kernel", "FRAGMENT")
+    _sgl_kernel_lib.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+    _sgl_kernel_lib.impl("murmur_hash32_cpu", murmur_hash32_cpu, "CPU")
+
+
+def _patch_deterministic_sampling() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers import sampler
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    for b in CPU_ATTENTION_BACKENDS:
+        if b not in choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+            choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.append(b)
+    ModelRunner.maybe_enable_batch_invariant_mode = lambda self: None
+    _register_murmur_op()
+    # The module global is looked up at call time by sampling_from_probs_torch.
+    compiled = sampler.multinomial_with_seed
+    sampler.multinomial_with_seed = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
 def apply(version: str | None = None, torchvision_version: str | None = None) -> None:
     """Install the CPU fixes in this process (idempotent). Refuses an unexpected sglang.
 
@@ -130,4 +205,5 @@ def apply(version: str | None = None, torchvision_version: str | None = None) ->
     guard_torchvision()
     install_sgl_kernel_shim()
     _patch_host_alloc()
+    _patch_deterministic_sampling()
     _applied = True
