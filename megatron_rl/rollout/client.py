@@ -112,6 +112,8 @@ class RetryEvent:
     time: float
 
 
+KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
+
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
                       asyncio.TimeoutError)
 
@@ -272,7 +274,11 @@ class RolloutClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                # Idle pooled connections are dropped before the server's keep-alive timeout
+                # (uvicorn: 5 s) closes them: reusing one the server has closed fails the
+                # request ("Server disconnected") after every pause longer than that, e.g. each
+                # training phase between two generation rounds.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout,
                                               sock_connect=self.connect_timeout))
         return self._session
@@ -310,7 +316,7 @@ class RolloutClient:
             for u in [u for u in urls if u in self._down]:
                 if await self.server(u).health(timeout=2.0):
                     logger.warning("server %s answers /health again; back in rotation", u)
-                    del self._down[u]
+                    self._down.pop(u, None)  # concurrent picks may both see it recover
             up = [u for u in urls if u not in self._down]
             if up:
                 others = [u for u in up if u != avoid] or up
