@@ -1,9 +1,12 @@
 """Command line: `megatron-rl COMMAND [RECIPE] [key=value ...]` (or `python -m megatron_rl.cli`).
 
 Commands:
-  demo                     the embedded default (recipe tiny_lm_cpu on this machine's CPU)
-  train-lm RECIPE [OVR]    supervised warm-up run; under torchrun / srun every rank runs it
-  dry-run RECIPE [OVR]     validate the config, print it and the parallel layout; launch nothing
+  demo [OVR]               the embedded default: RL on the tiny task (recipe tiny_cpu), CPU
+  train RECIPE [OVR]       the RL trainer; under torchrun / srun every rank runs it
+  train-lm RECIPE [OVR]    supervised warm-up run (same launch rules)
+  dry-run RECIPE [OVR]     validate the config and data, print it and the parallel layout; launch nothing
+  plot RUN_DIR             metrics.jsonl -> RUN_DIR/curves.png
+  compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
 """
 
 from __future__ import annotations
@@ -15,16 +18,46 @@ import sys
 from megatron_rl.config.load import ConfigError, load_config, to_object
 
 
-def _dry_run(recipe: str, overrides: list[str], world_size: int) -> int:
+def _dry_run(recipe: str, overrides: list[str], world_size: int | None) -> int:
     from omegaconf import OmegaConf
 
-    from megatron_rl.distributed.context import layout_sizes
+    from megatron_rl.distributed.context import layout_sizes, smallest_world
+
+    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.prompts import check_data_files, check_model_path, load_examples
 
     cfg = load_config(recipe, overrides)
     job = to_object(cfg)
+    # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
+    world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
     sizes = layout_sizes(job.parallel, world_size)
+    validate(job)
+    check_model_path(job.model)
+    check_data_files(job.data)
+    if job.data.source == "files":  # read every row now: a bad row fails here, not mid-run
+        n_train = len(load_examples(job.data, "train"))
+        n_eval = len(load_examples(job.data, "eval")) if job.data.eval_files else 0
+        print(f"data: {n_train} training prompts, {n_eval} eval prompts")
     print(OmegaConf.to_yaml(cfg))
+    print(f"hardware: {job.hardware}")
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
+    return 0
+
+
+def _train(recipe: str, overrides: list[str]) -> int:
+    from megatron_rl.trainer.loop import train
+    from megatron_rl.trainer.prompts import check_data_files
+
+    job = to_object(load_config(recipe, overrides))
+    check_data_files(job.data)
+    history = train(job)
+    if history and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+        first, last = history[0], history[-1]
+        acc = [h["rollout/accuracy"] for h in history if "rollout/accuracy" in h]
+        if acc:
+            print(f"[megatron-rl] train accuracy {acc[0]:.2f} (step {first['step']}) -> {acc[-1]:.2f} "
+                  f"(step {last['step']}); metrics in {job.trainer.out_dir}/metrics.jsonl, "
+                  f"curves in {job.trainer.out_dir}/curves.png", flush=True)
     return 0
 
 
@@ -46,21 +79,39 @@ def _train_lm(recipe: str, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:  # its own options: megatron-rl compare --help
+        from megatron_rl.trainer.compare import main as compare
+
+        try:
+            return compare(argv[1:])
+        except (ConfigError, ValueError, FileNotFoundError) as e:
+            print(f"megatron-rl: error: {e}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "train-lm", "dry-run"])
-    parser.add_argument("recipe", nargs="?", help="recipe name (recipes/NAME.yaml)")
+    parser.add_argument("command", choices=["demo", "train", "train-lm", "dry-run", "plot", "compare"])
+    parser.add_argument("recipe", nargs="?", help="recipe name (recipes/NAME.yaml), or RUN_DIR for plot")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel.tp=2")
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
-                        help="world size assumed by dry-run (default: $WORLD_SIZE or 1)")
+    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 0)) or None,
+                        help="world size assumed by dry-run (default: $WORLD_SIZE, else the recipe's "
+                             "parallel.world_size, else the smallest world its layout fits)")
     args = parser.parse_args(argv)
     try:
+        extra = ([args.recipe] if args.recipe else []) + args.overrides
         if args.command == "demo":
-            return _train_lm("tiny_lm_cpu", ([args.recipe] if args.recipe else []) + args.overrides)
+            return _train("tiny_cpu", extra)
         if not args.recipe:
-            parser.error(f"{args.command} needs a recipe name")
+            parser.error(f"{args.command} needs a recipe name" if args.command != "plot" else "plot needs RUN_DIR")
+        if args.command == "plot":
+            from megatron_rl.trainer.plot import plot_run
+
+            print(plot_run(args.recipe))
+            return 0
         if args.command == "dry-run":
             return _dry_run(args.recipe, args.overrides, args.world_size)
+        if args.command == "train":
+            return _train(args.recipe, args.overrides)
         return _train_lm(args.recipe, args.overrides)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"megatron-rl: error: {e}", file=sys.stderr)

@@ -8,7 +8,7 @@ naming the valid keys (megatron_rl.config.load). Megatron's own TransformerConfi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -54,6 +54,7 @@ class ParallelConfig:
     ep: int = 1  # expert parallel size
     etp: Optional[int] = None  # expert tensor parallel size; None = 1
     sequence_parallel: Optional[bool] = None  # None = on whenever tp > 1
+    world_size: Optional[int] = None  # learner ranks the recipe is laid out for (dry-run's default; a launch uses its real one)
 
 
 @dataclass
@@ -83,7 +84,7 @@ class LearnerConfig:
 
 @dataclass
 class TrainConfig:
-    """The supervised warm-up demo (the embedded default until the RL loop lands)."""
+    """The supervised warm-up command (`train-lm`)."""
 
     steps: int = 60  # optimizer steps
     global_batch_size: int = 16  # sequences per step, across data-parallel ranks
@@ -94,12 +95,125 @@ class TrainConfig:
 
 
 @dataclass
+class SyntheticTaskConfig:
+    """The built-in verifiable task (data/synthetic.py): one problem per prompt, exact-match answer."""
+
+    op: str = "add"  # add (a+b...) | max (max(a,b...))
+    operand_digits: int = 1  # digits per operand
+    num_operands: int = 2  # operands per problem
+    modulo: Optional[int] = None  # answer modulo this (add only); None = the plain sum
+    max_answer: Optional[int] = None  # keep only problems whose answer is <= this (9 = one-token answers)
+    num_train: int = 100000  # training problems drawn per epoch of the prompt stream
+    seed: int = 0  # problem-generation seed (eval problems use seed + 1)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts and answers come from, and how responses are scored."""
+
+    source: str = "synthetic"  # synthetic | files
+    train_files: list[str] = field(default_factory=list)  # .jsonl / .parquet (DAPO-Math layout) when source=files
+    eval_files: list[str] = field(default_factory=list)  # held-out prompts; empty = synthetic eval / none
+    messages_field: Optional[str] = "prompt"  # row field holding the chat messages
+    text_field: Optional[str] = None  # or: a row field holding the plain prompt text
+    answer_field: str = "reward_model.ground_truth"  # row field holding the ground truth
+    reward: str = "synthetic"  # reward function (rewards/): synthetic | math
+    shuffle_seed: int = 0  # prompt order seed (reshuffled every epoch)
+    synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
+
+
+@dataclass
+class RolloutConfig:
+    """SGLang servers and sampling."""
+
+    server_urls: list[str] = field(default_factory=list)  # running servers; empty = rank 0 launches num_servers
+    num_servers: int = 1  # servers rank 0 launches when server_urls is empty
+    device: str = "auto"  # auto (cuda if present) | cpu | cuda
+    dtype: str = "auto"  # SGLang --dtype; auto = the learner's dtype
+    server_tp: int = 1  # tensor-parallel size of each server
+    max_total_tokens: Optional[int] = None  # KV-cache cap per server (keeps CPU servers small)
+    mem_fraction_static: Optional[float] = None  # GPU memory share of each server
+    extra_server_args: list[str] = field(default_factory=list)  # passed verbatim to SGLang
+    prompts_per_step: int = 32  # prompt groups per training step
+    n_samples: int = 8  # responses per prompt (the group for GRPO-style advantages)
+    temperature: float = 1.0  # sampling temperature (log-probs use logits / temperature)
+    top_p: float = 1.0  # nucleus sampling
+    max_new_tokens: int = 16  # response budget
+    top_k_logprobs: int = 0  # rollout top-K log-probs per token (20 for top-K divergences)
+    seeded: bool = True  # per-sample sampling seeds derived from trainer.seed and the step
+    dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups and generate more
+    max_generation_rounds: int = 4  # bound on generation rounds per step with dynamic sampling
+    weight_sync: str = "distributed"  # distributed (process group) | tensor (same host) | disk
+    release_memory: bool = False  # colocated GPUs: release server memory while training
+    request_timeout: float = 600.0  # seconds per generation request before retrying elsewhere
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL objective: advantages, policy loss and its trust region, extra terms."""
+
+    advantage: str = "dr_grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    policy_loss: str = "dppo"  # dppo | ppo | pg_is | cispo | aspo | atr | gspo
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of the policy loss (e.g. delta)
+    divergence: Optional[str] = "binary_tv"  # DPPO divergence: binary_tv | binary_kl | topk_tv | topk_kl
+    agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    mini_batches: int = 1  # optimizer steps per rollout batch (the batch is split in this many)
+    epochs: int = 1  # passes over the rollout batch
+    recompute_old_logp: bool = False  # recompute log pi_old before training (needed by corrections)
+    correction: Optional[str] = None  # tis | icepop (needs recompute_old_logp)
+    correction_kwargs: dict[str, Any] = field(default_factory=dict)
+    kl_coef: float = 0.0  # KL-to-reference loss coefficient (needs a reference model)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    entropy_coef: float = 0.0  # entropy bonus coefficient
+    router_replay: str = "none"  # MoE: none | r2 (replay the old-log-prob pass) | r3 (replay the engine's routes)
+    overlong_buffer: int = 0  # DAPO soft overlong punishment buffer (0 = off)
+    overlong_penalty: float = 1.0  # its factor
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: mean@k and pass@k."""
+
+    every: int = 0  # evaluate every N steps (0 = only at the start and the end)
+    num_prompts: int = 64  # held-out prompts
+    k: int = 4  # samples per prompt
+    temperature: float = 1.0  # eval sampling temperature
+    top_p: float = 1.0
+    max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
+
+
+@dataclass
+class TrainerConfig:
+    """The RL loop: length, checkpoints, logs, modes."""
+
+    steps: int = 100  # training steps (one rollout batch each)
+    seed: int = 0  # sampling and data-order seed
+    out_dir: str = "runs/${name}"  # run directory: metrics.jsonl, checkpoints/, plots, server logs
+    mode: str = "train"  # train | rollout_only (save rollouts, no training) | train_only (from saved rollouts)
+    rollouts_dir: Optional[str] = None  # rollout_only writes / train_only reads here (default out_dir/rollouts)
+    save_every: int = 0  # checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
+    keep_checkpoints: int = 2  # newest checkpoints kept
+    resume: bool = True  # resume from the newest checkpoint in out_dir/checkpoints
+    progress: bool = True  # live progress display on rank 0 (a plain line per step when not a TTY)
+    plot: bool = True  # write out_dir/curves.png at the end
+    tensorboard: bool = False  # also log to TensorBoard (out_dir/tb)
+    wandb: bool = False  # also log to Weights & Biases (offline unless configured)
+    wandb_project: str = "megatron-rl"
+
+
+@dataclass
 class JobConfig:
     """A complete job: every group the launchers and the CLI read."""
 
     name: str = "run"  # run name (used in paths)
+    hardware: str = "cpu"  # what the recipe is meant for, e.g. "cpu" or "4x8 H100 80GB"
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

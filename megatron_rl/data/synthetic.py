@@ -1,11 +1,14 @@
-"""The built-in synthetic verifiable task: integer addition with tunable difficulty.
+"""The built-in synthetic verifiable task: integer arithmetic with tunable difficulty.
 
 Small enough that a tiny model trained from random weights learns it on a laptop CPU in minutes,
-structured enough that accuracy (not only loss) shows learning. A prompt is "a+b=" (or
-"a+b+c=" with more operands); the answer is the decimal sum, or its last digit with
-`modulo=10` (prompt "a+b%10="), which makes every answer one token — the easiest setting, and
-the one a policy learns from random weights by RL alone. Difficulty knobs: `operand_digits`,
-`num_operands`, `modulo`.
+structured enough that accuracy (not only loss) shows learning. `op="add"`: the prompt is "a+b="
+(or "a+b+c=" with more operands) and the answer the decimal sum (its last digit with `modulo=10`,
+prompt "a+b%10="); `op="max"`: the prompt is "max(a,b)=" and the answer the largest operand.
+`max_answer=9` keeps only problems with one-digit answers, i.e. one-token answers for the
+character tokenizer — the setting a policy learns from random weights by RL alone (a random
+policy is right ~1% of the time; modular addition is far harder for a tiny model to learn than
+max or small sums, so the demo uses max). Difficulty knobs: `op`, `operand_digits`,
+`num_operands`, `modulo`, `max_answer`.
 """
 
 from __future__ import annotations
@@ -23,22 +26,34 @@ class Problem:
     answer: str  # e.g. "19"
 
 
+OPS = ("add", "max")
+
+
 def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int = 2,
-                  modulo: Optional[int] = None) -> list[Problem]:
+                  modulo: Optional[int] = None, op: str = "add",
+                  max_answer: Optional[int] = None) -> list[Problem]:
     """`n` problems drawn with a seeded RNG (same arguments -> same list, on every rank)."""
     if operand_digits < 1 or num_operands < 2:
         raise ValueError("operand_digits must be >= 1 and num_operands >= 2")
+    if op not in OPS:
+        raise ValueError(f"unknown synthetic op {op!r}; valid: {', '.join(OPS)}")
+    if op == "max" and modulo:
+        raise ValueError("modulo applies to op='add' only")
+    if max_answer is not None and max_answer < 0:
+        raise ValueError(f"max_answer must be >= 0, got {max_answer}")
     rng = random.Random(seed)
     hi = 10 ** operand_digits - 1
-    out = []
-    for _ in range(n):
+    out: list[Problem] = []
+    while len(out) < n:
         xs = [rng.randint(0, hi) for _ in range(num_operands)]
-        total = sum(xs)
-        expr = "+".join(map(str, xs))
-        if modulo:
-            out.append(Problem(f"{expr}%{modulo}=", str(total % modulo)))
+        if op == "max":
+            problem = Problem(f"max({','.join(map(str, xs))})=", str(max(xs)))
+        elif modulo:
+            problem = Problem(f"{'+'.join(map(str, xs))}%{modulo}=", str(sum(xs) % modulo))
         else:
-            out.append(Problem(f"{expr}=", str(total)))
+            problem = Problem(f"{'+'.join(map(str, xs))}=", str(sum(xs)))
+        if max_answer is None or int(problem.answer) <= max_answer:
+            out.append(problem)
     return out
 
 

@@ -9,6 +9,7 @@ holding the explicit process groups. Everything downstream receives groups from 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -99,6 +100,11 @@ class ParallelContext:
     def describe(self) -> str:
         return (f"world={self.world_size} tp={self.tp} pp={self.pp} vpp={self.vpp} dp={self.dp} "
                 f"ep={self.ep} etp={self.etp} sp={self.sequence_parallel} device={self.device.type}")
+
+
+def smallest_world(cfg: ParallelConfig) -> int:
+    """The smallest world size a layout fits: a multiple of both tp·pp and etp·ep·pp."""
+    return math.lcm(cfg.tp * cfg.pp, (cfg.etp or 1) * cfg.ep * cfg.pp)
 
 
 def layout_sizes(cfg: ParallelConfig, world_size: int) -> dict:

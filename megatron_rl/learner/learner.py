@@ -266,8 +266,10 @@ class Learner:
         return metrics
 
     @torch.no_grad()
-    def forward_logprobs(self, batch: dict[str, torch.Tensor], routing: Optional[str] = None):
-        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank.
+    def forward_logprobs(self, batch: dict[str, torch.Tensor], routing: Optional[str] = None,
+                         temperature: float = 1.0):
+        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank
+        (of softmax(logits / temperature), the sampling distribution at that temperature).
 
         `routing="replay"` replays `batch["routed_experts"]`; `routing="record"` (R2) also
         returns the routes the model chose, [B, S, L, k] int64 (-1 on padding), on every rank.
@@ -276,6 +278,8 @@ class Learner:
             m.eval()
 
         def collect(logits_BSV, mb, tp_group, vocab_size):
+            if temperature != 1.0:
+                logits_BSV = logits_BSV / temperature
             logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
             return logits_BSV.new_zeros(()), {"logp": logp}
 

@@ -1,0 +1,130 @@
+"""Checkpoints with exact resume, on megatron-core's dist_checkpointing.
+
+A checkpoint is a folder `<out_dir>/checkpoints/step_<N>` holding
+- the model chunks and the optimizer (Adam moments, fp32 master weights, step counts) as sharded
+  tensors (`dist_checkpointing.save`, torch_dist format: every rank writes its own shards, and a
+  checkpoint written at one parallel layout loads at another),
+- the LR scheduler and the trainer state (step, prompt-stream position, weight version) as common
+  state written once,
+- every rank's RNG states (python, torch, Megatron's model-parallel tracker) in `rng/rank<r>.pt`,
+  so dropout and sampling continue bit for bit.
+It is written to `step_<N>.tmp` and renamed only when every rank has finished; the file `latest`
+is then replaced atomically. A crash mid-write therefore leaves the previous checkpoint intact, and
+`latest_checkpoint` never returns a partial one. Older checkpoints beyond `keep` are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+PREFIX = "step_"
+
+
+def checkpoints_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def latest_checkpoint(out_dir: str | Path) -> Optional[Path]:
+    """The newest complete checkpoint under out_dir, or None."""
+    root = checkpoints_root(out_dir)
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    path = root / marker.read_text().strip()
+    if not path.is_dir():
+        raise FileNotFoundError(f"{marker} names {path.name}, which does not exist")
+    return path
+
+
+def _rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
+    from megatron.core import parallel_state as mpu
+
+    state: dict[str, Any] = {}
+    for i, chunk in enumerate(learner.model):
+        if len(learner.model) > 1:
+            mpu.set_virtual_pipeline_model_parallel_rank(i)
+        state[f"model{i}"] = chunk.module.sharded_state_dict()
+    if len(learner.model) > 1:
+        mpu.set_virtual_pipeline_model_parallel_rank(0)
+    model_state = {k: v for k, v in state.items()}
+    state["optimizer"] = learner.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    return state
+
+
+def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
+                    keep: int = 2) -> Path:
+    """Collective: every learner rank calls it. Returns the checkpoint folder."""
+    from megatron.core import dist_checkpointing
+
+    root = checkpoints_root(out_dir)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f"{PREFIX}{step:08d}.tmp"
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(learner, is_loading=False)
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["trainer"] = dict(trainer_state)
+    dist_checkpointing.save(state, str(tmp))
+    (tmp / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        marker = root / "latest.tmp"
+        marker.write_text(final.name)
+        os.replace(marker, root / "latest")
+        done = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for old in done[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(learner, path: str | Path) -> dict[str, Any]:
+    """Collective: restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    state = _sharded_state(learner, is_loading=True)
+    state["scheduler"] = None
+    state["trainer"] = None
+    loaded = dist_checkpointing.load(state, str(path))
+    for i, chunk in enumerate(learner.model):
+        chunk.module.load_state_dict(loaded[f"model{i}"])
+    learner.optimizer.load_state_dict(loaded["optimizer"])
+    learner.scheduler.load_state_dict(loaded["scheduler"])
+    rng = path / "rng" / f"rank{dist.get_rank()}.pt"
+    if rng.exists():
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return loaded["trainer"]

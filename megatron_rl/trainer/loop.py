@@ -1,0 +1,318 @@
+"""The RL loop: generate → reward → advantages → (old log-probs) → train → sync weights → log →
+evaluate → checkpoint, one named call per stage (`Trainer.fit`).
+
+Every learner rank runs this; rank 0 also drives the SGLang servers and scores responses, and the
+rollout batch then goes to all ranks (trainer/batch.py documents its layout). Training runs
+`algorithm.epochs` passes over `algorithm.mini_batches` mini-batches per rollout batch, each one
+optimizer step through Megatron's schedules with the policy loss of trainer/policy.py, with the
+divergences computed vocab-parallel on the logit shards. Router replay (MoE): r3 replays the
+engine's routes in every training forward; r2 records the old-log-prob pass and replays it.
+
+Modes (`trainer.mode`) swap the rollout source, not the loop: `train` (live SGLang),
+`rollout_only` (live, batches saved to rollouts_dir, no training), `train_only` (batches read
+back from rollouts_dir, no servers).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megatron_rl.algorithms.registry import get
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.distributed.context import ParallelContext, init_distributed
+from megatron_rl.learner.learner import Learner
+from megatron_rl.trainer import batch as batching
+from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
+from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
+from megatron_rl.trainer.prompts import PromptStream, load_examples, tokenize
+from megatron_rl.trainer.signals import StopRequest
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+class Timer:
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        yield
+        self.metrics[f"time/{name}"] = time.perf_counter() - t
+
+    def total(self) -> dict[str, float]:
+        return {**self.metrics, "time/step": time.perf_counter() - self.start}
+
+
+def validate(cfg: JobConfig) -> None:
+    """Config checks that need no process group (also run by `dry-run`)."""
+    a, r = cfg.algorithm, cfg.rollout
+    loss = get("policy_loss", a.policy_loss)
+    get("advantage", a.advantage)
+    # Keyword-only arguments a recipe may set; the tensors come from the trainer.
+    params = inspect.signature(loss).parameters
+    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY
+                   and k not in ("divergence", "old_logp", "response_mask"))
+    valid += ["entropy_eps"] if a.policy_loss == "aspo" else []
+    for k in a.loss_kwargs:
+        if k not in valid:
+            raise ValueError(f"algorithm.loss_kwargs.{k} is not an argument of policy loss "
+                             f"{a.policy_loss!r}; valid: {', '.join(valid)}")
+    if a.router_replay not in ("none", "r2", "r3"):
+        raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
+    if a.router_replay != "none" and not (cfg.model.hf_path or cfg.model.tiny.moe):
+        pass  # an HF checkpoint may be MoE; checked again once the model is built
+    if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
+        raise ValueError(f"algorithm.divergence={a.divergence} needs rollout.top_k_logprobs > 0 (e.g. 20)")
+    if a.correction and not a.recompute_old_logp:
+        raise ValueError(f"algorithm.correction={a.correction} needs algorithm.recompute_old_logp=true")
+    if a.kl_coef:
+        raise ValueError("algorithm.kl_coef > 0 needs a reference model, which the trainer does not "
+                         "build yet; use kl_coef=0")
+    if r.prompts_per_step % a.mini_batches:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
+                         f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
+    if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
+        raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, ctx: ParallelContext):
+        from transformers import AutoTokenizer
+
+        validate(cfg)
+        self.cfg, self.ctx = cfg, ctx
+        t = cfg.trainer
+        self.out_dir = Path(t.out_dir)
+        self.rollouts_dir = Path(t.rollouts_dir or self.out_dir / "rollouts")
+        if ctx.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        self.learner = Learner(cfg, ctx, run_dir=str(self.out_dir), total_steps=t.steps)
+        if cfg.algorithm.router_replay != "none" and self.learner.router_replay is None:
+            raise ValueError(f"algorithm.router_replay={cfg.algorithm.router_replay} needs an MoE model")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.learner.hf_path)
+        self.prompts = PromptStream(tokenize(load_examples(cfg.data, "train"), self.tokenizer),
+                                    seed=cfg.data.shuffle_seed)
+        eval_examples = load_examples(cfg.data, "eval", cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+        self.eval_prompts = tokenize(eval_examples, self.tokenizer)
+        self.step, self.weight_version = 0, "0"
+        ckpt = latest_checkpoint(self.out_dir) if t.resume else None
+        if ckpt is not None:
+            state = load_checkpoint(self.learner, ckpt)
+            self.step, self.weight_version = state["step"], state["weight_version"]
+            self.prompts.load_state_dict(state["prompts"])
+        self.logger = MetricsLogger(self.out_dir, t, enabled=ctx.rank == 0, start_step=self.step,
+                                    run_name=cfg.name, config_dict=OmegaConf.to_container(OmegaConf.structured(cfg)))
+        if ckpt is not None:
+            self.logger.message(f"[megatron-rl] resumed from {ckpt} at step {self.step}")
+        self.rollouts = None
+        if t.mode != "train_only":
+            from megatron_rl.trainer.rollouts import Rollouts
+
+            moe_topk = self.learner.config.moe_router_topk if self.learner.config.num_moe_experts else None
+            self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk)
+        self.stop = StopRequest()
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        cfg, t = self.cfg, self.cfg.trainer
+        if t.mode == "train":
+            # Servers may hold other weights (a resumed run; servers shared across runs): start
+            # every run by giving them exactly the learner's.
+            self.sync_weights()
+        if self.step == 0 and self.eval_prompts and self.rollouts is not None:
+            self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
+        while self.step < t.steps:
+            timer = Timer()
+            with timer("generate"):
+                batch, metrics = self.generate()
+            if t.mode == "rollout_only":
+                self.save_rollouts(batch, metrics)
+            else:
+                with timer("advantages"):
+                    self.compute_advantages(batch)
+                with timer("old_logp"):
+                    metrics |= self.old_logprobs(batch)
+                with timer("train"):
+                    metrics |= self.train_policy(batch)
+            self.step += 1
+            if t.mode == "train":
+                with timer("weight_sync"):
+                    metrics |= self.sync_weights()
+            if self.eval_due():
+                metrics |= self.evaluate()
+            self.log(metrics | timer.total())
+            stop = self.stop.requested()
+            if stop or self.step == t.steps or (t.save_every and self.step % t.save_every == 0):
+                self.save()
+            if stop:
+                self.logger.message(f"[megatron-rl] {self.stop.name()}: checkpoint at step {self.step} "
+                                    f"written; stopping (resume continues from it)")
+                break
+        self.close()
+        return self.history
+
+    # ------------------------------------------------------------------------------------------
+    def generate(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Rank 0 generates and scores (or reads saved rollouts); every rank gets the batch.
+
+        Every record must come from the weights just pushed (its `weight_version`): a server that
+        died and was restarted serves its initial checkpoint, so a batch with stale records is
+        thrown away, the weights are pushed again and the same prompts are generated again.
+        """
+        while True:
+            position = self.prompts.state_dict()
+            payload = [self._generate_on_driver() if self.ctx.rank == 0 else None]
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.broadcast_object_list(payload, src=0)
+            if payload[0] != "stale":
+                break
+            self.logger.message(f"[megatron-rl] step {self.step}: records from stale weights (a server "
+                                "was restarted); pushing weights again and regenerating")
+            self.prompts.load_state_dict(position)
+            self.sync_weights()
+        if self.ctx.rank != 0 and self.cfg.trainer.mode != "train_only":
+            self.prompts.load_state_dict(payload[0][1].pop("_prompt_position"))
+        elif self.cfg.trainer.mode != "train_only":
+            payload[0][1].pop("_prompt_position")
+        return payload[0]
+
+    def _generate_on_driver(self):
+        if self.cfg.trainer.mode == "train_only":
+            path = self.rollouts_dir / f"step_{self.step:08d}.pt"
+            if not path.exists():
+                raise FileNotFoundError(f"trainer.mode=train_only: no saved rollouts {path} "
+                                        "(write them with trainer.mode=rollout_only)")
+            return torch.load(path, weights_only=False)
+        records, rewards, metrics = self.rollouts.generate(self.prompts.take, self.step)
+        if self.cfg.trainer.mode == "train" and any(r.weight_version != self.weight_version for r in records):
+            return "stale"
+        batch = batching.build_batch(
+            records, rewards, pad_id=self.tokenizer.pad_token_id,
+            with_topk=self.cfg.rollout.top_k_logprobs > 0,
+            with_routes=self.cfg.algorithm.router_replay == "r3")
+        bad = ~torch.isfinite(batch["rollout_logp"]) & (batch["loss_mask"] > 0)
+        if bad.any():
+            i, s = bad.nonzero()[0].tolist()
+            raise TrainingError(f"step {self.step}: rollout log-prob is {batch['rollout_logp'][i, s]} "
+                                f"for sequence {i} position {s}; not training on it")
+        # Dynamic sampling draws a variable number of prompts: other ranks copy the position.
+        metrics["_prompt_position"] = self.prompts.state_dict()
+        return batch, metrics
+
+    def save_rollouts(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
+        if self.ctx.rank == 0:
+            self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+            torch.save((batch, metrics), self.rollouts_dir / f"step_{self.step:08d}.pt")
+
+    def compute_advantages(self, batch: dict[str, torch.Tensor]) -> None:
+        a = self.cfg.algorithm
+        rewards = batching.token_rewards(batch)
+        if a.overlong_buffer:
+            from megatron_rl.algorithms.dapo import overlong_soft_punishment
+
+            penalty = overlong_soft_punishment(batch["response_len"], max_length=self.cfg.rollout.max_new_tokens,
+                                               buffer_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
+            batch["rewards"] = batch["rewards"] + penalty
+            rewards = batching.token_rewards(batch)
+        adv, _ = get("advantage", a.advantage)(rewards, batch["loss_mask"], group_ids_B=batch["group_ids"])
+        batch["advantages"] = adv.float()
+
+    def old_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """π_old recompute (for mismatch corrections) and R2's recording pass."""
+        a = self.cfg.algorithm
+        if not (a.recompute_old_logp or a.router_replay == "r2"):
+            return {}
+        T = self.cfg.rollout.temperature
+        if a.router_replay == "r2":
+            old, batch["routed_experts"] = self.learner.forward_logprobs(batch, routing="record", temperature=T)
+        else:
+            routing = "replay" if a.router_replay == "r3" else None
+            old = self.learner.forward_logprobs(batch, routing=routing, temperature=T)
+        if a.recompute_old_logp:
+            batch["old_logp"] = torch.where(batch["loss_mask"] > 0, old, torch.zeros_like(old))
+        mask = batch["loss_mask"] > 0
+        return {"mismatch/old_vs_rollout_abs_logp": float((old - batch["rollout_logp"]).abs()[mask].mean())}
+
+    def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        a = self.cfg.algorithm
+        routing = "replay" if a.router_replay != "none" else None
+        sums: dict[str, float] = {}
+        first: dict[str, float] = {}
+        n = 0
+        for _ in range(a.epochs):
+            for mb in batching.mini_batches(batch, a.mini_batches):
+                loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens)
+                out = self.learner.train_step(mb, loss_fn, routing=routing)
+                out |= loss_fn.finish(self.learner)
+                bad = nonfinite(out)
+                if bad:
+                    raise TrainingError(f"step {self.step}: non-finite {', '.join(bad)} "
+                                        f"(loss/total={out.get('loss/total')}, grad_norm={out.get('grad_norm')})")
+                if n == 0 and "abs_logp_diff/mean" in out:
+                    # The first mini-batch runs on exactly the weights the rollouts came from:
+                    # its |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0).
+                    first = {"mismatch/train_vs_rollout_abs_logp": out["abs_logp_diff/mean"]}
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n += 1
+        return {k: v / n for k, v in sums.items()} | first
+
+    def sync_weights(self) -> dict[str, float]:
+        self.weight_version = str(self.step)
+        return self.rollouts.sync_weights(self.learner, self.weight_version)
+
+    def eval_due(self) -> bool:
+        e = self.cfg.eval
+        return bool(self.eval_prompts) and self.rollouts is not None and (
+            self.step == self.cfg.trainer.steps or (e.every and self.step % e.every == 0))
+
+    def evaluate(self) -> dict[str, float]:
+        out = [None]
+        if self.ctx.rank == 0:
+            out = [self.rollouts.evaluate(self.eval_prompts, self.step)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(out, src=0)
+        return out[0]
+
+    def log(self, metrics: dict[str, float]) -> None:
+        metrics["weight_version"] = float(self.weight_version)
+        self.history.append({"step": self.step - 1, **metrics})
+        self.logger.log(self.step - 1, metrics)
+
+    def save(self) -> Optional[Path]:
+        state = {"step": self.step, "weight_version": self.weight_version,
+                 "prompts": self.prompts.state_dict()}
+        return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
+        self.logger.close()
+        if self.ctx.rank == 0 and self.cfg.trainer.plot and self.history:
+            from megatron_rl.trainer.plot import plot_run
+
+            plot_run(self.out_dir)
+        self.stop.restore()
+
+
+def train(cfg: JobConfig) -> list[dict]:
+    """Entry point for every learner rank (torchrun / srun / one process)."""
+    ctx = init_distributed(cfg.parallel)
+    if ctx.rank == 0:
+        print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)
+    return Trainer(cfg, ctx).fit()

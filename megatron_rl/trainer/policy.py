@@ -1,0 +1,76 @@
+"""The policy-loss closure the learner runs on each micro-batch's vocab-sharded logits.
+
+One pass over the local logit shard [b, s, V/TP] (megatron_rl.vocab_parallel) gives log π(a_t),
+the entropy and the configured μ-vs-π divergence; `algorithms.adapter.compute_policy_loss` turns
+them into the micro-batch's share of the step loss (normalised by the mini-batch's global token or
+sequence count, so the loss does not depend on the layout) and its trust-region diagnostics.
+The diagnostics of every micro-batch are kept here and reduced over data-parallel ranks after the
+step (`finish`); the learner itself only sums scalar metrics.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.adapter import compute_policy_loss, reduce_diagnostics
+from megatron_rl.algorithms.aggregation import local_count
+from megatron_rl.algorithms.policy_losses import aspo_entropy_eps
+from megatron_rl.config.schema import AlgorithmConfig
+from megatron_rl.vocab_parallel import vocab_parallel_policy_stats
+
+TOPK_DIVERGENCES = ("topk_tv", "topk_kl")
+
+
+class PolicyLoss:
+    """`loss_fn(logits_BSV, mb, tp_group, vocab_size)` for one mini-batch (see learner.py)."""
+
+    def __init__(self, algo: AlgorithmConfig, mini_batch: dict[str, torch.Tensor], temperature: float,
+                 max_response_length: int):
+        self.algo, self.temperature, self.max_len = algo, temperature, max_response_length
+        # Every rank holds the whole mini-batch, so the global normaliser needs no collective.
+        self.normalizer = local_count(mini_batch["loss_mask"], algo.agg_mode)
+        self.kwargs = dict(algo.loss_kwargs)
+        if algo.policy_loss == "dppo":
+            self.kwargs.setdefault("divergence_type", algo.divergence or "binary_tv")
+        # ASPO's per-token ε from each sequence's entropy ranking (aspo_entropy_eps arguments).
+        self.entropy_eps = self.kwargs.pop("entropy_eps", None)
+        if self.entropy_eps is not None and algo.policy_loss != "aspo":
+            raise ValueError(f"algorithm.loss_kwargs.entropy_eps is an ASPO option; policy_loss is "
+                             f"{algo.policy_loss}")
+        self.stats = None
+
+    def __call__(self, logits_BSV, mb, tp_group, vocab_size):
+        a = self.algo
+        divs = (a.divergence,) if a.divergence else ()
+        topk = a.divergence in TOPK_DIVERGENCES
+        ps = vocab_parallel_policy_stats(
+            logits_BSV, mb["labels"], tp_group, rollout_logp=mb["rollout_logp"],
+            topk_ids=mb.get("topk_ids") if topk else None,
+            topk_logp=mb.get("topk_logp") if topk else None,
+            divergences=divs, with_entropy=True, entropy_grad=a.entropy_coef != 0,
+            temperature=self.temperature, vocab_size=vocab_size)
+        kwargs = self.kwargs
+        if self.entropy_eps is not None:
+            eps = aspo_entropy_eps(ps.entropy, mb["loss_mask"] > 0, **self.entropy_eps)
+            kwargs = {**kwargs, "eps_low": eps, "eps_high": eps}
+        loss, stats = compute_policy_loss(
+            a.policy_loss, logp=ps.logp, rollout_logp=mb["rollout_logp"],
+            advantages=mb["advantages"], response_mask=mb["loss_mask"], normalizer=self.normalizer,
+            agg_mode=a.agg_mode, max_response_length=self.max_len, loss_kwargs=kwargs,
+            old_logp=mb.get("old_logp"), divergence=ps.divergence(a.divergence) if divs else None,
+            entropy=ps.entropy, entropy_coef=a.entropy_coef,
+            correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
+        self.stats = stats if self.stats is None else self.stats.merge(stats)
+        return loss, {}
+
+    def finish(self, learner) -> dict[str, float]:
+        """Diagnostics of the whole mini-batch (reduced over DP, sent from the last PP stage)."""
+        ctx = learner.ctx
+        out = [None]
+        if ctx.is_last_stage:
+            reduced = reduce_diagnostics(self.stats, dp_group=ctx.dp_group)
+            out = [{k: float(v) for k, v in reduced.items()}]
+        src = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
+        dist.broadcast_object_list(out, src=src, group=ctx.pp_group)
+        return out[0]

@@ -1,0 +1,93 @@
+"""Prompt sources for the trainer: the synthetic task or JSONL/Parquet files, as a resumable stream.
+
+`PromptStream` walks a fixed list of examples in an order reshuffled every epoch by a seeded RNG;
+its whole state is (epoch, index), saved in checkpoints, so a resumed run draws exactly the prompts
+the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_rl.config.schema import DataConfig
+from megatron_rl.data.datasets import PromptExample, load_prompts, render_prompt
+from megatron_rl.data.synthetic import as_prompt_examples, make_problems
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]  # chat-formatted prompt token ids
+    answer: str  # ground truth for the reward
+    uid: str  # where it came from (file:row or synthetic:i)
+
+
+def load_examples(data: DataConfig, split: str, num_eval: int = 0) -> list[PromptExample]:
+    """Train or eval examples; checks every file (and row) up front."""
+    if data.source == "synthetic":
+        s = data.synthetic
+        n = s.num_train if split == "train" else num_eval
+        seed = s.seed if split == "train" else s.seed + 1
+        return as_prompt_examples(make_problems(n, seed=seed, operand_digits=s.operand_digits,
+                                                num_operands=s.num_operands, modulo=s.modulo,
+                                                op=s.op, max_answer=s.max_answer))
+    if data.source != "files":
+        raise ValueError(f"data.source={data.source!r}; valid: synthetic, files")
+    files = data.train_files if split == "train" else data.eval_files
+    if split == "train" and not files:
+        raise ValueError("data.source=files needs data.train_files")
+    out: list[PromptExample] = []
+    for f in files:
+        out += load_prompts(f, messages_field=data.messages_field, text_field=data.text_field,
+                            answer_field=data.answer_field)
+    return out[:num_eval] if split == "eval" and num_eval else out
+
+
+def check_data_files(data: DataConfig) -> None:
+    """Fail fast (dry-run, launchers) when a configured dataset file is missing."""
+    for f in list(data.train_files) + list(data.eval_files):
+        if not Path(f).exists():
+            raise FileNotFoundError(f"dataset {f} does not exist (data.train_files / data.eval_files)")
+
+
+def check_model_path(model) -> None:
+    """Fail fast when the configured HF checkpoint is not there (no hub: paths only)."""
+    if model.hf_path and not (Path(model.hf_path) / "config.json").exists():
+        raise FileNotFoundError(f"model.hf_path={model.hf_path}: no HF checkpoint there (config.json "
+                                "missing); set MRL_MODELS or model.hf_path")
+
+
+def tokenize(examples: list[PromptExample], tokenizer) -> list[Prompt]:
+    return [Prompt(tuple(render_prompt(tokenizer, e.messages)), e.answer, e.origin) for e in examples]
+
+
+class PromptStream:
+    def __init__(self, prompts: list[Prompt], seed: int):
+        if not prompts:
+            raise ValueError("no training prompts")
+        self.prompts, self.seed = prompts, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._shuffled(0)
+
+    def _shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffled(self.epoch)
+            out.append(self.prompts[self._order[self.index]])
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+        self._order = self._shuffled(self.epoch)

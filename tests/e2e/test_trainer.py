@@ -1,0 +1,184 @@
+"""The RL trainer end to end: real Megatron-Core learner, real SGLang server on CPU.
+
+One SGLang server serves every run in this module (runs pass `rollout.server_urls`; each run
+starts by pushing its learner's weights, so the server always serves the run's own policy).
+- a shorter version of the embedded default learns (train accuracy rises well above chance);
+- exact resume: 6 steps straight == 3 steps, kill -9, resume, 3 more (per-step metrics identical);
+- SIGTERM mid-run: checkpoint written, exit 0 within 60 s, resume continues from it;
+- rollout_only saves batches that train_only trains on without any server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.trainer.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=2",
+         "learner.micro_batch_size=8", "eval.num_prompts=8", "eval.k=2", "eval.every=0",
+         "trainer.progress=false", "trainer.plot=false"]
+VOLATILE = ("time/", "rollout/retries")
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+    from megatron_rl.rollout.server import EngineManager, ServerConfig
+
+    root = tmp_path_factory.mktemp("trainer")
+    tiny = to_object(load_config("tiny_cpu")).model.tiny
+    ckpt = make_tiny_checkpoint(root / "model", **vars(tiny))
+    config = ServerConfig(model_path=str(ckpt), max_total_tokens=8192,
+                          extra_args=("--enable-deterministic-inference",))
+    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
+        yield mgr.urls()[0]
+
+
+def cli(out_dir: Path, url: str, *overrides: str, small: bool = True) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={out_dir}",
+            f"rollout.server_urls=[{url}]", *(SMALL if small else SMALL[-2:]), *overrides]
+
+
+def run(out_dir: Path, url: str, *overrides: str, small: bool = True,
+        timeout: float = 900) -> subprocess.CompletedProcess:
+    out = subprocess.run(cli(out_dir, url, *overrides, small=small), capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows if r["step"] >= 0]
+
+
+def wait_for_checkpoint(out_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 600) -> None:
+    marker = out_dir / "checkpoints" / "latest"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if marker.exists() and marker.read_text().strip() == f"step_{step:08d}":
+            return
+        assert proc.poll() is None, f"trainer exited early with {proc.returncode}"
+        time.sleep(0.05)
+    raise TimeoutError(f"no checkpoint for step {step} after {timeout}s")
+
+
+def test_short_demo_learns(server_url, tmp_path):
+    """The embedded default's batch and hyper-parameters, fewer steps."""
+    run(tmp_path / "demo", server_url, "trainer.steps=20", "eval.num_prompts=0", small=False)
+    rows = [r for r in read_metrics(tmp_path / "demo") if r["step"] >= 0]
+    acc = [r["rollout/accuracy"] for r in rows]
+    print("train accuracy per step:", " ".join(f"{a:.2f}" for a in acc))
+    assert acc[0] <= 0.05  # a random policy over 128 tokens
+    assert sum(acc[-5:]) / 5 >= 0.15, acc
+
+
+def test_exact_resume_after_kill9(server_url, tmp_path):
+    straight = tmp_path / "straight"
+    run(straight, server_url, "trainer.steps=6")
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cli(killed, server_url, "trainer.steps=6", "trainer.save_every=1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_checkpoint(killed, 3, proc)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert [r["step"] for r in read_metrics(killed) if r["step"] >= 0][:3] == [0, 1, 2]
+    out = run(killed, server_url, "trainer.steps=6", "trainer.save_every=1")
+    assert "resumed from" in out.stdout and "at step 3" in out.stdout
+    a, b = stable(read_metrics(straight)), stable(read_metrics(killed))
+    assert [r["step"] for r in b] == list(range(6))
+    for ra, rb in zip(a, b):
+        diff = {k: (ra[k], rb.get(k)) for k in ra if ra[k] != rb.get(k)}
+        assert not diff, f"step {ra['step']}: {diff}"
+
+
+def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):
+    out_dir = tmp_path / "term"
+    proc = subprocess.Popen(cli(out_dir, server_url, "trainer.steps=50", "trainer.save_every=1"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_checkpoint(out_dir, 2, proc)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, output[-3000:]
+    assert time.time() - sent < 60
+    assert "SIGTERM: checkpoint at step" in output
+    latest = (out_dir / "checkpoints" / "latest").read_text().strip()
+    stopped_at = int(latest.split("_")[1])
+    assert stopped_at >= 3
+    assert max(r["step"] for r in read_metrics(out_dir)) == stopped_at - 1
+    out = run(out_dir, server_url, f"trainer.steps={stopped_at + 2}")
+    assert f"at step {stopped_at}" in out.stdout
+    assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == list(range(stopped_at + 2))
+
+
+def test_rollout_only_then_train_only(server_url, tmp_path):
+    d = tmp_path / "split"
+    run(d, server_url, "trainer.steps=2", "trainer.mode=rollout_only")
+    assert sorted(p.name for p in (d / "rollouts").iterdir()) == ["step_00000000.pt", "step_00000001.pt"]
+    # No server at all for train_only: a dead URL proves nothing is contacted.
+    run(d / "train", "http://127.0.0.1:9", "trainer.steps=2", "trainer.mode=train_only",
+        f"trainer.rollouts_dir={d / 'rollouts'}")
+    rows = [r for r in read_metrics(d / "train") if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all("loss/pg" in r and "grad_norm" in r for r in rows)
+    # Same initial weights and the same first batch: train_only's first step is train mode's.
+    ref = tmp_path / "ref"
+    run(ref, server_url, "trainer.steps=1")
+    r0 = stable(read_metrics(ref))[0]
+    t0 = stable(read_metrics(d / "train"))[0]
+    for k in ("loss/pg", "grad_norm", "rollout/accuracy", "entropy/mean"):
+        assert t0[k] == r0[k], (k, t0[k], r0[k])
+
+
+@pytest.fixture(scope="module")
+def moe_server_url(tmp_path_factory):
+    """An SGLang server for tiny_moe_cpu_r3's model, returning routed experts."""
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+    from megatron_rl.rollout.server import EngineManager, ServerConfig
+
+    root = tmp_path_factory.mktemp("trainer_moe")
+    tiny = to_object(load_config("tiny_moe_cpu_r3")).model.tiny
+    ckpt = make_tiny_checkpoint(root / "model", **vars(tiny))
+    config = ServerConfig(model_path=str(ckpt), max_total_tokens=8192, enable_return_routed_experts=True,
+                          extra_args=("--enable-deterministic-inference",))
+    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
+        yield mgr.urls()[0]
+
+
+@pytest.mark.parametrize("replay", ["r3", "r2"])
+def test_moe_router_replay_through_the_loop(moe_server_url, tmp_path, replay):
+    """tiny_moe_cpu_r3 (and its R2 variant) end to end: the engine's routes (R3) or the old-log-prob
+    pass's routes (R2) are replayed in every training forward. The first mini-batch of a step runs
+    on the weights the rollouts came from, so with R3 its log-probs equal SGLang's (fp32)."""
+    d = tmp_path / replay
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_moe_cpu_r3", f"trainer.out_dir={d}",
+         f"rollout.server_urls=[{moe_server_url}]", f"algorithm.router_replay={replay}", "trainer.steps=2",
+         *SMALL], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = [r for r in read_metrics(d) if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        agreement = [v for k, v in r.items() if k.startswith("router_agreement/layer")]
+        assert len(agreement) == 2 and all(0.0 <= a <= 1.0 for a in agreement), r
+        assert r["grad_norm"] > 0
+        if replay == "r3":
+            assert r["mismatch/train_vs_rollout_abs_logp"] <= 1e-5, r
+        else:  # R2 replays the trainer's own old-log-prob routing (natural routing moves only
+            # with the updates of the step's later mini-batches)
+            assert all(a >= 0.9 for a in agreement), agreement
+            assert r["mismatch/old_vs_rollout_abs_logp"] <= 1e-5, r
+            assert r["mismatch/train_vs_rollout_abs_logp"] <= 1e-5, r

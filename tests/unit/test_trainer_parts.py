@@ -1,0 +1,194 @@
+"""Trainer pieces without processes: batch alignment, prompt stream resume, metrics truncation,
+recipes' dry-run, actionable errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_rl.config.load import ConfigError, available_recipes, load_config, to_object
+from megatron_rl.rollout.records import RolloutRecord
+from megatron_rl.trainer import batch as batching
+from megatron_rl.trainer.prompts import Prompt, PromptStream
+
+
+def record(prompt, response, logp, topk=None, routes=None, i=0, j=0, finish="stop"):
+    P, T = len(prompt), len(response)
+    return RolloutRecord(
+        prompt_index=i, sample_index=j, prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(response),
+        rollout_logp=torch.tensor(logp), topk_ids=None if topk is None else topk[0],
+        topk_logp=None if topk is None else topk[1],
+        routed_experts=None if routes is None else routes[P - 1:],
+        prompt_routed_experts=None if routes is None else routes[:P - 1],
+        finish_reason=finish, weight_version="0", temperature=1.0)
+
+
+def test_batch_alignment_matches_records():
+    g = torch.Generator().manual_seed(0)
+    recs = []
+    for i, (P, T) in enumerate([(3, 2), (5, 4), (2, 1)]):
+        prompt = torch.randint(3, 90, (P,), generator=g).tolist()
+        resp = torch.randint(3, 90, (T,), generator=g).tolist()
+        topk = (torch.randint(0, 90, (T, 3), generator=g), torch.randn(T, 3, generator=g))
+        routes = torch.randint(0, 4, (P + T - 1, 2, 2), generator=g, dtype=torch.int32)
+        recs.append(record(prompt, resp, torch.randn(T, generator=g).tolist(), topk, routes, i=i))
+    b = batching.build_batch(recs, [1.0, 0.0, 1.0], pad_id=0, with_topk=True, with_routes=True)
+    for i, r in enumerate(recs):
+        P, T = r.prompt_ids.numel(), r.response_ids.numel()
+        seq = torch.cat([r.prompt_ids, r.response_ids])
+        # Position s predicts labels[s] = token s+1; the response mask covers exactly the response.
+        assert torch.equal(b["input_ids"][i, :P + T], seq)
+        assert torch.equal(b["labels"][i, :P + T - 1], seq[1:])
+        on = b["loss_mask"][i].nonzero().flatten()
+        assert on.tolist() == list(range(P - 1, P - 1 + T))
+        assert torch.equal(b["labels"][i, on], r.response_ids)
+        assert torch.equal(b["rollout_logp"][i, on], r.rollout_logp)
+        assert torch.equal(b["topk_ids"][i, on], r.topk_ids)
+        assert torch.equal(b["routed_experts"][i, :P + T - 1], r.sequence_routed_experts().long())
+        assert (b["routed_experts"][i, P + T - 1:] == -1).all()
+    tr = batching.token_rewards(b)
+    assert tr.sum(1).tolist() == [1.0, 0.0, 1.0]
+    assert tr[0, 3].item() == 1.0  # last response prediction of sequence 0 (P=3, T=2) is position 3
+
+
+def test_mini_batches_keep_groups_and_reject_bad_split():
+    b = {"input_ids": torch.arange(12).view(6, 2), "rewards": torch.arange(6.0)}
+    parts = batching.mini_batches(b, 3)
+    assert [p["rewards"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="mini_batches = 4"):
+        batching.mini_batches(b, 4)
+
+
+def test_prompt_stream_resume_is_exact():
+    prompts = [Prompt((i,), str(i), f"p{i}") for i in range(7)]
+    a = PromptStream(prompts, seed=3)
+    first = [p.uid for p in a.take(5)]
+    state = a.state_dict()
+    rest = [p.uid for p in a.take(12)]  # crosses two epoch boundaries
+    b = PromptStream(prompts, seed=3)
+    b.load_state_dict(state)
+    assert [p.uid for p in b.take(12)] == rest
+    assert sorted(first + rest[:2]) == sorted(f"p{i}" for i in range(7))  # an epoch is a permutation
+
+
+def test_metrics_logger_drops_rows_from_resumed_step(tmp_path):
+    from megatron_rl.config.schema import TrainerConfig
+    from megatron_rl.trainer.metrics import MetricsLogger, read_metrics
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(-1, 6)))
+    log = MetricsLogger(tmp_path, TrainerConfig(progress=False), enabled=True, start_step=3, run_name="t")
+    log.log(3, {"x": 30.0})
+    log.close()
+    assert [(m["step"], m["x"]) for m in read_metrics(tmp_path)] == [(-1, -1), (0, 0), (1, 1), (2, 2), (3, 30.0)]
+
+
+@pytest.fixture(scope="module")
+def paper_inputs(tmp_path_factory):
+    """What the GPU recipes point at, in miniature: DAPO-layout Parquet files and HF config folders."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("paper")
+    rows = [{"data_source": "math", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+             "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(5)]
+    (root / "data").mkdir()
+    for name in ("dapo-math-17k", "aime-2024", "aime-2025"):
+        pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
+    for name in ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B", "Qwen3-8B-Base"):
+        (root / "models" / name).mkdir(parents=True)
+        (root / "models" / name / "config.json").write_text("{}")
+    return root
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
+    """`megatron-rl dry-run RECIPE` (what the sbatch script runs first): config, algorithm
+    arguments, model path, every data row and the layout at the recipe's world size."""
+    from megatron_rl import cli
+
+    monkeypatch.setenv("MRL_DATA", str(paper_inputs / "data"))
+    monkeypatch.setenv("MRL_MODELS", str(paper_inputs / "models"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["dry-run", recipe]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    job = to_object(load_config(recipe))
+    assert f"hardware: {job.hardware}" in out  # every recipe names what it is meant for
+    if job.data.source == "files":
+        assert "data: 5 training prompts, 10 eval prompts" in out
+    if job.parallel.world_size:
+        assert f"layout for world size {job.parallel.world_size}:" in out
+
+
+def test_paper_recipes_keep_the_papers_settings():
+    """DPPO Table 1 in every GPU recipe; the trust-region constants of the named method."""
+    for recipe in available_recipes():
+        job = to_object(load_config(recipe))
+        if "cpu" in job.hardware:
+            continue
+        r, a, e = job.rollout, job.algorithm, job.eval
+        assert (r.prompts_per_step, r.n_samples, r.temperature, job.optim.lr) == (256, 16, 1.0, 1e-6), recipe
+        assert r.prompts_per_step // a.mini_batches == 32, recipe
+        # The DPPO paper's runs and baselines share Dr.GRPO; ASPO / ATR-GRPO keep their papers' GRPO.
+        assert a.advantage == ("grpo" if recipe.startswith(("aspo", "atr")) else "dr_grpo"), recipe
+        assert (e.k, e.temperature, e.top_p) == (32, 0.7, 0.95), recipe
+        assert r.max_new_tokens == (16384 if job.model.tiny.moe or "30b" in recipe else 8192), recipe
+        if a.policy_loss == "dppo":
+            assert a.loss_kwargs["delta"] == (0.2 if a.divergence.endswith("tv") else 0.05), recipe
+            assert a.loss_kwargs["truncation"] == 5.0, recipe
+        assert (a.router_replay == "r3") == recipe.endswith("_r3"), recipe
+
+
+def test_loss_kwargs_typo_names_the_valid_arguments():
+    from megatron_rl.trainer.loop import validate
+
+    job = to_object(load_config("tiny_cpu", ["+algorithm.loss_kwargs.detla=0.2"]))
+    with pytest.raises(ValueError, match=r"loss_kwargs.detla .* valid: .*delta"):
+        validate(job)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_rl.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_config_typo_is_one_actionable_line():
+    out = run_cli("dry-run", "tiny_cpu", "rollout.n_sample=4")
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1, out.stderr
+    assert "rollout.n_sample" in err[0] and "did you mean 'n_samples'" in err[0] and "valid keys of rollout" in err[0]
+
+
+def test_malformed_data_row_is_one_actionable_line(tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}) + "\n"
+                   + json.dumps({"prompt": [{"role": "user", "content": "2+2="}], "reward_model": {}}) + "\n")
+    out = run_cli("dry-run", "tiny_cpu", "data.source=files", f"data.train_files=[{bad}]")
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1, out.stderr
+    assert f"{bad}: row 2" in err[0] and "reward_model.ground_truth" in err[0]
+
+
+def test_missing_dataset_and_unknown_recipe_fail_fast(tmp_path):
+    out = run_cli("dry-run", "tiny_cpu", "data.source=files", f"data.train_files=[{tmp_path}/nope.parquet]")
+    assert out.returncode == 2 and "nope.parquet does not exist" in out.stderr
+    out = run_cli("dry-run", "no_such_recipe")
+    assert out.returncode == 2 and "unknown recipe 'no_such_recipe'" in out.stderr and "tiny_cpu" in out.stderr
+
+
+def test_validate_rejects_inconsistent_algorithm():
+    from megatron_rl.trainer.loop import validate
+
+    job = to_object(load_config("tiny_cpu", ["algorithm=dppo_topk_tv"]))
+    with pytest.raises(ValueError, match="top_k_logprobs"):
+        validate(job)
+    job = to_object(load_config("tiny_cpu", ["algorithm.policy_loss=dpo"]))
+    with pytest.raises(ValueError, match="dppo"):
+        validate(job)
+    with pytest.raises(ConfigError, match="unknown config key"):
+        load_config("tiny_cpu", ["algorithm.delta=0.2"])
