@@ -103,6 +103,7 @@ class SyntheticTaskConfig:
     num_operands: int = 2  # operands per problem
     modulo: Optional[int] = None  # answer modulo this (add only); None = the plain sum
     max_answer: Optional[int] = None  # keep only problems whose answer is <= this (9 = one-token answers)
+    balance_answers: bool = False  # every possible answer equally likely (draw the answer, then a problem)
     num_train: int = 100000  # training problems drawn per epoch of the prompt stream
     seed: int = 0  # problem-generation seed (eval problems use seed + 1)
 

@@ -7,8 +7,9 @@ prompt "a+b%10="); `op="max"`: the prompt is "max(a,b)=" and the answer the larg
 `max_answer=9` keeps only problems with one-digit answers, i.e. one-token answers for the
 character tokenizer — the setting a policy learns from random weights by RL alone (a random
 policy is right ~1% of the time; modular addition is far harder for a tiny model to learn than
-max or small sums, so the demo uses max). Difficulty knobs: `op`, `operand_digits`,
-`num_operands`, `modulo`, `max_answer`.
+max or small sums, so the demo uses max, with `balance_answers` so that small maxima are not
+rare). Difficulty knobs: `op`, `operand_digits`, `num_operands`, `modulo`, `max_answer`,
+`balance_answers`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ OPS = ("add", "max")
 
 def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int = 2,
                   modulo: Optional[int] = None, op: str = "add",
-                  max_answer: Optional[int] = None) -> list[Problem]:
-    """`n` problems drawn with a seeded RNG (same arguments -> same list, on every rank)."""
+                  max_answer: Optional[int] = None, balance_answers: bool = False) -> list[Problem]:
+    """`n` problems drawn with a seeded RNG (same arguments -> same list, on every rank).
+
+    `balance_answers`: every possible answer is equally likely (the answer is drawn first, then a
+    problem with that answer, uniformly, by rejection). Without it the answer distribution of `max` is
+    skewed ((2k+1)/100 for one-digit pairs: answer 0 is 19x rarer than 9), and a policy trained
+    by RL from random weights lumps the rare small answers onto a common one and never samples
+    the right ones again (zero reward variance in their groups, hence no gradient).
+    """
     if operand_digits < 1 or num_operands < 2:
         raise ValueError("operand_digits must be >= 1 and num_operands >= 2")
     if op not in OPS:
@@ -43,17 +51,24 @@ def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int 
         raise ValueError(f"max_answer must be >= 0, got {max_answer}")
     rng = random.Random(seed)
     hi = 10 ** operand_digits - 1
+    top = hi if op == "max" else (modulo - 1 if modulo else hi * num_operands)
+    top = top if max_answer is None else min(top, max_answer)
     out: list[Problem] = []
+    target = rng.randint(0, top) if balance_answers else None
     while len(out) < n:
-        xs = [rng.randint(0, hi) for _ in range(num_operands)]
+        # With a target maximum, operands are drawn from [0, target]: still uniform over the
+        # problems whose answer is the target, at a fraction of the rejections.
+        xs = [rng.randint(0, target if op == "max" and target is not None else hi) for _ in range(num_operands)]
         if op == "max":
             problem = Problem(f"max({','.join(map(str, xs))})=", str(max(xs)))
         elif modulo:
             problem = Problem(f"{'+'.join(map(str, xs))}%{modulo}=", str(sum(xs) % modulo))
         else:
             problem = Problem(f"{'+'.join(map(str, xs))}=", str(sum(xs)))
-        if max_answer is None or int(problem.answer) <= max_answer:
+        answer = int(problem.answer)
+        if answer <= top and (target is None or answer == target):
             out.append(problem)
+            target = rng.randint(0, top) if balance_answers else None
     return out
 
 

@@ -59,7 +59,17 @@ def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          int(env.get("SLURM_LOCALID", 0)), addr, port)
-    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+    # A lone process: any free port, so several single-process runs can share a machine.
+    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
+    return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass

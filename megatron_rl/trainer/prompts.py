@@ -31,7 +31,8 @@ def load_examples(data: DataConfig, split: str, num_eval: int = 0) -> list[Promp
         seed = s.seed if split == "train" else s.seed + 1
         return as_prompt_examples(make_problems(n, seed=seed, operand_digits=s.operand_digits,
                                                 num_operands=s.num_operands, modulo=s.modulo,
-                                                op=s.op, max_answer=s.max_answer))
+                                                op=s.op, max_answer=s.max_answer,
+                                                balance_answers=s.balance_answers))
     if data.source != "files":
         raise ValueError(f"data.source={data.source!r}; valid: synthetic, files")
     files = data.train_files if split == "train" else data.eval_files

@@ -1,4 +1,4 @@
-"""The README's demo command path, shortened: a supervised run on CPU whose loss falls."""
+"""The supervised warm-up command (`train-lm tiny_lm_cpu`), shortened: a run on CPU whose loss falls."""
 
 from __future__ import annotations
 

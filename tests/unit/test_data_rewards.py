@@ -119,3 +119,22 @@ def test_unknown_reward_lists_valid_names():
     assert {"math", "synthetic"} <= set(reward_names())
     with pytest.raises(ValueError, match="unknown reward 'maths'; valid rewards: math, synthetic"):
         get_reward("maths")
+
+
+def test_balanced_answers_are_uniform_and_problems_uniform_within_an_answer():
+    from collections import Counter
+
+    problems = make_problems(20000, seed=5, op="max", balance_answers=True)
+    answers = Counter(p.answer for p in problems)
+    assert sorted(answers) == [str(k) for k in range(10)]
+    assert all(abs(c - 2000) < 200 for c in answers.values()), answers  # ~4.5 sigma
+    assert all(p.answer == str(max(int(x) for x in p.prompt[4:-2].split(","))) for p in problems)
+    # within answer 4: the 9 pairs with max 4, each ~1/9 of them
+    pairs = Counter(p.prompt for p in problems if p.answer == "4")
+    assert len(pairs) == 9 and max(pairs.values()) < 1.35 * min(pairs.values()), pairs
+    # unbalanced max keeps the natural (2k+1)/100 skew
+    skewed = Counter(p.answer for p in make_problems(20000, seed=5, op="max"))
+    assert skewed["9"] > 10 * skewed["0"]
+    # balanced sums with a cap: answers 0..9 of two-digit-operand sums
+    sums = Counter(p.answer for p in make_problems(5000, seed=1, max_answer=9, balance_answers=True))
+    assert sorted(sums) == [str(k) for k in range(10)] and min(sums.values()) > 350
