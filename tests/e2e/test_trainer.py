@@ -3,7 +3,8 @@
 One SGLang server serves every run in this module (runs pass `rollout.server_urls`; each run
 starts by pushing its learner's weights, so the server always serves the run's own policy).
 - a shorter version of the embedded default learns (train accuracy rises well above chance);
-- exact resume: 6 steps straight == 3 steps, kill -9, resume, 3 more (per-step metrics identical);
+- exact resume: 6 steps straight == 3 steps, kill -9, resume, 3 more (samples and rewards bit-identical,
+  other metrics to SGLang's fp32 noise);
 - SIGTERM mid-run: checkpoint written, exit 0 within 60 s, resume continues from it;
 - rollout_only saves batches that train_only trains on without any server.
 """
@@ -99,8 +100,14 @@ def test_exact_resume_after_kill9(server_url, tmp_path):
     a, b = stable(read_metrics(straight)), stable(read_metrics(killed))
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a, b):
-        diff = {k: (ra[k], rb.get(k)) for k in ra if ra[k] != rb.get(k)}
-        assert not diff, f"step {ra['step']}: {diff}"
+        # Sampling (tokens, rewards) and the data stream are bit-identical. SGLang's CPU log-probs
+        # (mu) are not batch-invariant (they move by ~1e-7 with the batch composition, already
+        # between two fresh runs at step 0), so metrics that read mu match to fp32 noise.
+        exact = {k: (ra[k], rb.get(k)) for k in ra if k.startswith("rollout/") and ra[k] != rb.get(k)}
+        assert not exact, f"step {ra['step']}: {exact}"
+        close = {k: (ra[k], rb.get(k)) for k in ra
+                 if rb.get(k) is None or abs(ra[k] - rb[k]) > 1e-6 + 1e-4 * abs(ra[k])}
+        assert not close, f"step {ra['step']}: {close}"
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):
