@@ -15,6 +15,7 @@ through the environment, tells each child that it serves on CPU.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
@@ -39,6 +40,11 @@ if __name__ == "__main__" and _device(sys.argv[1:]) == "cpu":
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 # Runs in the launching process and, through spawn's re-import of __main__, in every child.
 apply_patches()
+# SIGUSR1 is the learner's preemption signal (Slurm's --signal, `scancel -s USR1`), and srun
+# delivers it to every process of the step, servers started by rank 0 included. The trainer
+# finishes its step, checkpoints and then stops its servers itself; a server killed by the
+# signal (Python's default action) would fail that last step's weight sync.
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -181,7 +181,6 @@ def test_moe_router_replay_through_the_loop(moe_server_url, tmp_path, replay):
     for r in rows:
         agreement = [v for k, v in r.items() if k.startswith("router_agreement/layer")]
         assert len(agreement) == 2 and all(0.0 <= a <= 1.0 for a in agreement), r
-        assert r["grad_norm"] > 0
         if replay == "r3":
             assert r["mismatch/train_vs_rollout_abs_logp"] <= 1e-5, r
         else:  # R2 replays the trainer's own old-log-prob routing (natural routing moves only
