@@ -72,8 +72,6 @@ def validate(cfg: JobConfig) -> None:
                              f"{a.policy_loss!r}; valid: {', '.join(valid)}")
     if a.router_replay not in ("none", "r2", "r3"):
         raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
-    if a.router_replay != "none" and not (cfg.model.hf_path or cfg.model.tiny.moe):
-        pass  # an HF checkpoint may be MoE; checked again once the model is built
     if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
         raise ValueError(f"algorithm.divergence={a.divergence} needs rollout.top_k_logprobs > 0 (e.g. 20)")
     if a.correction and not a.recompute_old_logp:
@@ -185,11 +183,11 @@ class Trainer:
                                 "was restarted); pushing weights again and regenerating")
             self.prompts.load_state_dict(position)
             self.sync_weights()
-        if self.ctx.rank != 0 and self.cfg.trainer.mode != "train_only":
-            self.prompts.load_state_dict(payload[0][1].pop("_prompt_position"))
-        elif self.cfg.trainer.mode != "train_only":
-            payload[0][1].pop("_prompt_position")
-        return payload[0]
+        batch, metrics = payload[0]
+        position = metrics.pop("_prompt_position", None)  # absent in batches read back (train_only)
+        if position is not None:
+            self.prompts.load_state_dict(position)
+        return batch, metrics
 
     def _generate_on_driver(self):
         if self.cfg.trainer.mode == "train_only":
@@ -221,15 +219,14 @@ class Trainer:
 
     def compute_advantages(self, batch: dict[str, torch.Tensor]) -> None:
         a = self.cfg.algorithm
-        rewards = batching.token_rewards(batch)
         if a.overlong_buffer:
             from megatron_rl.algorithms.dapo import overlong_soft_punishment
 
             penalty = overlong_soft_punishment(batch["response_len"], max_length=self.cfg.rollout.max_new_tokens,
                                                buffer_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
             batch["rewards"] = batch["rewards"] + penalty
-            rewards = batching.token_rewards(batch)
-        adv, _ = get("advantage", a.advantage)(rewards, batch["loss_mask"], group_ids_B=batch["group_ids"])
+        adv, _ = get("advantage", a.advantage)(batching.token_rewards(batch), batch["loss_mask"],
+                                                group_ids_B=batch["group_ids"])
         batch["advantages"] = adv.float()
 
     def old_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
