@@ -57,7 +57,7 @@ def _zero_invalid(x: Tensor | None, valid: Tensor) -> Tensor | None:
     # Padding may hold garbage (−inf log-probs): replace it so no NaN reaches the loss or gradient.
     if x is None:
         return None
-    return torch.where(valid, x, torch.zeros_like(x))
+    return torch.where(valid, x, 0.0)
 
 
 def compute_policy_loss(
@@ -133,17 +133,12 @@ def compute_policy_loss(
     return total, stats
 
 
-def reduce_diagnostics(stats: diagnostics.DiagnosticStats, *, dp_group: Any = None) -> dict[str, Tensor]:
+def reduce_diagnostics(stats: diagnostics.DiagnosticStats, *, dp_group: Any = None) -> dict[str, float]:
     """Sum the additive statistics and max the maxima over `dp_group`, then finalize. Every rank
     must call this with the same keys (same loss, same optional inputs)."""
     if dp_group is not None:
-        sum_keys, max_keys = sorted(stats.sums), sorted(stats.maxes)
-        sums = torch.stack([stats.sums[k] for k in sum_keys])
-        maxes = torch.stack([stats.maxes[k] for k in max_keys])
+        sums, maxes = stats.sums.clone(), stats.maxes.clone()
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
-        stats = diagnostics.DiagnosticStats(
-            sums=dict(zip(sum_keys, sums.unbind())), maxes=dict(zip(max_keys, maxes.unbind())),
-            ratios=stats.ratios,
-        )
+        stats = diagnostics.DiagnosticStats(stats.sum_keys, sums, stats.max_keys, maxes, stats.ratios)
     return stats.finalize()

@@ -43,50 +43,52 @@ def _scalar(x) -> Tensor:
 
 @dataclass
 class DiagnosticStats:
-    """Additive sums/counts, maxima and the local ratios of one or more micro-batches."""
+    """Additive sums/counts, maxima and the local ratios of one or more micro-batches.
 
-    sums: dict[str, Tensor] = field(default_factory=dict)
-    maxes: dict[str, Tensor] = field(default_factory=dict)
+    The sums and maxima are float64 vectors named by `sum_keys` / `max_keys`, so merging micro-
+    batches and reducing over data-parallel ranks are one tensor op each, whatever the number of
+    statistics (they are collected on every micro-batch of every step).
+    """
+
+    sum_keys: tuple[str, ...]
+    sums: Tensor
+    max_keys: tuple[str, ...]
+    maxes: Tensor
     ratios: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=_F))
 
     def merge(self, other: "DiagnosticStats") -> "DiagnosticStats":
-        if set(self.sums) != set(other.sums) or set(self.maxes) != set(other.maxes):
+        if self.sum_keys != other.sum_keys or self.max_keys != other.max_keys:
             raise ValueError("cannot merge diagnostics with different keys "
-                             f"({sorted(set(self.sums) ^ set(other.sums))})")
-        return DiagnosticStats(
-            sums={k: self.sums[k] + other.sums[k] for k in self.sums},
-            maxes={k: torch.maximum(self.maxes[k], other.maxes[k]) for k in self.maxes},
-            ratios=torch.cat([self.ratios, other.ratios]),
-        )
+                             f"({sorted(set(self.sum_keys) ^ set(other.sum_keys))})")
+        return DiagnosticStats(self.sum_keys, self.sums + other.sums, self.max_keys,
+                               torch.maximum(self.maxes, other.maxes),
+                               torch.cat([self.ratios, other.ratios]))
 
-    def finalize(self) -> dict[str, Tensor]:
-        s, m = self.sums, self.maxes
-        out: dict[str, Tensor] = {"tokens": s["count/all"]}
-        total = s["count/all"].clamp_min(1)
+    def finalize(self) -> dict[str, float]:
+        s = dict(zip(self.sum_keys, self.sums.tolist()))
+        m = dict(zip(self.max_keys, self.maxes.tolist()))
+        out: dict[str, float] = {"tokens": s["count/all"]}
+        total = max(s["count/all"], 1.0)
         for split in SPLITS:
             count = s[f"count/{split}"]
             suffix = "" if split == "all" else f"/{split}"
             for ind in INDICATORS:
-                out[f"{ind}_frac{suffix}"] = s[f"{ind}/{split}"] / count.clamp_min(1)
+                out[f"{ind}_frac{suffix}"] = s[f"{ind}/{split}"] / max(count, 1.0)
             if split != "all":
                 out[f"token_frac/{split}"] = count / total
         for key in sorted(k for k in s if k.startswith("extra/") and k.endswith("/sum")):
-            name = key[len("extra/"):-len("/sum")]
-            out[f"{name}_frac"] = s[key] / total
-        if s["divergence/count"] > 0:
-            out["divergence/mean"] = s["divergence/sum"] / s["divergence/count"]
+            out[f"{key[len('extra/'):-len('/sum')]}_frac"] = s[key] / total
+        for name in ("divergence", "entropy", "abs_old_logp_diff"):
+            if s.get(f"{name}/count", 0) > 0:
+                out[f"{name}/mean"] = s[f"{name}/sum"] / s[f"{name}/count"]
+        if "divergence/mean" in out:
             out["divergence/max"] = m["divergence/max"]
-        if s["entropy/count"] > 0:
-            out["entropy/mean"] = s["entropy/sum"] / s["entropy/count"]
-        if s["abs_old_logp_diff/count"] > 0:
-            out["abs_old_logp_diff/mean"] = s["abs_old_logp_diff/sum"] / s["abs_old_logp_diff/count"]
         out["abs_logp_diff/mean"] = s["abs_logp_diff/sum"] / total
         has = s["count/all"] > 0
-        zero = _scalar(0.0)
-        out["ratio/max"] = torch.where(has, m["ratio/max"], zero)
-        out["ratio/min"] = torch.where(has, -m["ratio/neg_min"], zero)
+        out["ratio/max"] = m["ratio/max"] if has else 0.0
+        out["ratio/min"] = -m["ratio/neg_min"] if has else 0.0
         for name, q in QUANTILES.items():
-            out[f"ratio/{name}"] = quantile(self.ratios, q)
+            out[f"ratio/{name}"] = float(quantile(self.ratios, q))
         for key in sorted(k for k in s if k.startswith("total/")):
             out[key[len("total/"):]] = s[key]
         return out
@@ -106,6 +108,11 @@ def quantile(x: Tensor, q: float) -> Tensor:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
+# Each split is (advantage selector, μ selector); selector 0 = everything. Order = SPLITS.
+_SPLIT_GRID = [(0, 0), (1, 0), (2, 0), (0, 1), (0, 2), (0, 3)] + [(a, b) for a in (1, 2) for b in (1, 2, 3)]
+_COUNT_KEYS = tuple(f"{kind}/{split}" for split in SPLITS for kind in ("count",) + INDICATORS)
+
+
 @torch.no_grad()
 def collect(
     *, response_mask: Tensor, advantages: Tensor, rollout_logp: Tensor, logp: Tensor,
@@ -117,57 +124,44 @@ def collect(
 
     `extra_indicators` (bool per token) are counted over all valid tokens as `<name>_frac`;
     `totals` (already-normalised scalars, e.g. the aggregated loss terms) are summed as-is.
+    A handful of batched ops whatever the number of splits: this runs on every micro-batch.
     """
-    valid = response_mask.bool()
-    A = advantages.detach()
-    mu = torch.exp(rollout_logp.detach().to(_F))
-    split_masks = {
-        "all": valid,
-        "adv_pos": valid & (A > 0),
-        "adv_neg": valid & (A < 0),
-        "mu_lt_0.1": valid & (mu < 0.1),
-        "mu_0.1_0.9": valid & (mu >= 0.1) & (mu <= 0.9),
-        "mu_gt_0.9": valid & (mu > 0.9),
-    }
-    for a in ADV_SPLITS:
-        for b in MU_BUCKETS:
-            split_masks[f"{a}/{b}"] = split_masks[a] & split_masks[b]
-    indicators = {"masked": masked.bool(), "clipped": clipped.bool()}
+    valid = response_mask.reshape(-1).bool()
+    A = advantages.detach().reshape(-1)
+    mu = torch.exp(rollout_logp.detach().reshape(-1).to(_F))
+    everything = torch.ones_like(valid)
+    adv_sel = torch.stack([everything, A > 0, A < 0])
+    mu_sel = torch.stack([everything, mu < 0.1, (mu >= 0.1) & (mu <= 0.9), mu > 0.9])
+    a_idx, m_idx = zip(*_SPLIT_GRID)
+    splits = (adv_sel[list(a_idx)] & mu_sel[list(m_idx)] & valid).to(_F)        # [n_splits, N]
+    indicators = torch.stack([everything, masked.reshape(-1).bool(), clipped.reshape(-1).bool()]).to(_F)
+    counts = splits @ indicators.T                                              # [n_splits, 3], exact
+    extra = extra_indicators or {}
+    if extra:
+        ind = torch.stack([v.reshape(-1).bool() for v in extra.values()]) & valid
+        counts = torch.cat([counts.reshape(-1), ind.sum(-1).to(_F)])
 
-    sums: dict[str, Tensor] = {}
-    for split, sm in split_masks.items():
-        sums[f"count/{split}"] = _scalar(sm.sum())
-        for ind, val in indicators.items():
-            sums[f"{ind}/{split}"] = _scalar((sm & val).sum())
-    for name, val in (extra_indicators or {}).items():
-        sums[f"extra/{name}/sum"] = _scalar((valid & val.bool()).sum())
-
-    def masked_sum(x: Tensor) -> Tensor:
-        x = x.detach().to(_F)
-        return _scalar(torch.where(valid, x, torch.zeros_like(x)).sum())
-
-    n_valid = sums["count/all"]
-    zero = _scalar(0.0)
-    sums["abs_logp_diff/sum"] = masked_sum((logp.detach().to(_F) - rollout_logp.detach().to(_F)).abs())
-    sums["divergence/sum"] = masked_sum(divergence) if divergence is not None else zero
-    sums["divergence/count"] = n_valid if divergence is not None else zero
-    sums["entropy/sum"] = masked_sum(entropy) if entropy is not None else zero
-    sums["entropy/count"] = n_valid if entropy is not None else zero
+    # Masked sums of per-token values; the count of each is the number of valid tokens.
+    values = {"abs_logp_diff": (logp.detach().to(_F) - rollout_logp.detach().to(_F)).abs()}
+    if divergence is not None:
+        values["divergence"] = divergence.detach().to(_F)
+    if entropy is not None:
+        values["entropy"] = entropy.detach().to(_F)
     if old_logp is not None:
-        sums["abs_old_logp_diff/sum"] = masked_sum((old_logp.detach().to(_F) - rollout_logp.detach().to(_F)).abs())
-        sums["abs_old_logp_diff/count"] = n_valid
-    else:
-        sums["abs_old_logp_diff/sum"] = zero
-        sums["abs_old_logp_diff/count"] = zero
-    for name, val in (totals or {}).items():
-        sums[f"total/{name}"] = _scalar(val)
+        values["abs_old_logp_diff"] = (old_logp.detach().to(_F) - rollout_logp.detach().to(_F)).abs()
+    value_sums = torch.where(valid, torch.stack([v.reshape(-1) for v in values.values()]), 0.0).sum(-1)
+    n_valid = counts.reshape(-1)[:1].expand(len(values) - 1)  # count/all, for all but abs_logp_diff
+    tot = torch.stack([_scalar(v) for v in totals.values()]) if totals else counts.new_zeros(0)
 
-    r = ratio.detach().to(_F)[valid]
-    neg_inf = _scalar(-torch.inf)
-    maxes = {
-        "ratio/max": r.max() if r.numel() else neg_inf,
-        "ratio/neg_min": (-r).max() if r.numel() else neg_inf,
-        "divergence/max": (divergence.detach().to(_F)[valid].max()
-                           if divergence is not None and r.numel() else neg_inf),
-    }
-    return DiagnosticStats(sums=sums, maxes={k: _scalar(v) for k, v in maxes.items()}, ratios=r)
+    sum_keys = (_COUNT_KEYS + tuple(f"extra/{k}/sum" for k in extra)
+                + tuple(f"{k}/sum" for k in values)
+                + tuple(f"{k}/count" for k in values if k != "abs_logp_diff")
+                + tuple(f"total/{k}" for k in (totals or {})))
+    sums = torch.cat([counts.reshape(-1), value_sums, n_valid, tot])
+
+    ratio = ratio.detach().reshape(-1).to(_F)
+    max_rows = [ratio, -ratio] + ([values["divergence"].reshape(-1)] if divergence is not None else [])
+    max_rows = torch.where(valid, torch.stack(max_rows), -torch.inf)
+    maxes = max_rows.amax(-1) if max_rows.shape[1] else max_rows.new_full((len(max_rows),), -torch.inf)
+    max_keys = ("ratio/max", "ratio/neg_min") + (("divergence/max",) if divergence is not None else ())
+    return DiagnosticStats(sum_keys, sums, max_keys, maxes, ratios=ratio[valid])

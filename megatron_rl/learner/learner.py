@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import JobConfig
+from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
 from megatron_rl.models.bridge import (
@@ -202,7 +203,8 @@ class Learner:
         )
 
     def _loss_closure(self, loss_fn: LossFn, mb: dict, logits_BSV: torch.Tensor):
-        loss, metrics = loss_fn(logits_BSV, mb, tp_group=self.ctx.tp_group, vocab_size=self.vocab_size)
+        with device_mode_paused():  # our loss code names no device; skip the CPU layer's hop
+            loss, metrics = loss_fn(logits_BSV, mb, tp_group=self.ctx.tp_group, vocab_size=self.vocab_size)
         # (loss, num_tokens, reduced): the 3-tuple form keeps Megatron from averaging over
         # micro-batches; our finaliser ignores num_tokens.
         return loss, torch.ones((), dtype=torch.int), metrics

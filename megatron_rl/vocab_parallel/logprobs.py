@@ -15,8 +15,8 @@ Backward (hand-written, recomputing p from the saved lse instead of storing a [T
 
 Memory: one accumulation-dtype scratch buffer [chunk, V_l] per call (fp32 for bf16/fp16/fp32
 logits, fp64 for fp64), reused across token chunks; with entropy, a second temporary of at most
-chunk/16 rows. For fp32 logits the backward writes straight into the gradient tensor, so it needs
-no scratch at all. With inplace_logits (fp32/fp64 only) the logits' own storage serves as the
+max(chunk/16 rows, 256k elements). For fp32 logits the backward writes straight into the gradient
+tensor, so it needs no scratch at all. With inplace_logits (fp32/fp64 only) the logits' own storage serves as the
 buffer and then as the gradient (Megatron's trick): no extra memory and one exp pass in total.
 Padded vocabulary columns (global id >= vocab_size) are excluded (-inf); ids outside
 [0, vocab_size) get log-prob -inf and no gradient. Logits are assumed finite.
@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_SIZE = 1024
-_ENTROPY_SUBBLOCKS = 16  # entropy needs exp(z) and z at once: temporaries of chunk/16 rows
+_ENTROPY_SUBBLOCKS = 16  # entropy needs exp(z) and z at once: temporaries of chunk/16 rows,
+_MIN_SUBBLOCK_ELEMS = 1 << 18  # but at least 256k elements (1 MiB fp32): small vocabularies
+# would otherwise pay 16x the per-op overhead for a temporary nobody would notice
 
 
 def temperature_scale(logits: torch.Tensor, temperature: float, inplace: bool = False) -> torch.Tensor:
@@ -65,13 +67,16 @@ def _row_blocks(n: int, block: int):
         yield r0, min(r0 + block, n)
 
 
+def _subblock_rows(rows: int, cols: int) -> int:
+    return max(1, -(-rows // _ENTROPY_SUBBLOCKS), _MIN_SUBBLOCK_ELEMS // max(cols, 1))
+
+
 def _sumexp_and_w(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum_i exp z_i, sum_i exp(z_i) z_i) per row, keeping z; temporaries of <= rows/16 rows."""
     rows = z.shape[0]
     s = z.new_empty(rows)
     w = z.new_empty(rows)
-    block = max(1, -(-rows // _ENTROPY_SUBBLOCKS))
-    for b0, b1 in _row_blocks(rows, block):
+    for b0, b1 in _row_blocks(rows, _subblock_rows(rows, z.shape[1])):
         e = torch.exp(z[b0:b1])
         s[b0:b1] = e.sum(-1)
         w[b0:b1] = e.mul_(z[b0:b1]).sum(-1)
@@ -216,8 +221,7 @@ class _LogProbsEntropy(torch.autograd.Function):
             torch.add(-lse[r0:r1, None], x2d[r0:r1, :nv], alpha=alpha, out=dst)
             if use_ent:
                 # dst = -p_i * (sum_j g_j + g_H (log p_i + H)) * alpha, in row sub-blocks
-                block = max(1, -(-r // _ENTROPY_SUBBLOCKS))
-                for b0, b1 in _row_blocks(r, block):
+                for b0, b1 in _row_blocks(r, _subblock_rows(r, nv)):
                     d = dst[b0:b1]
                     p = torch.exp(d)
                     rows = slice(r0 + b0, r0 + b1)

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_rl.vocab_parallel as vp
+import megatron_rl.vocab_parallel.logprobs as logprobs_mod
 
 _STORE = dist.HashStore()
 _GROUP_IDS = itertools.count()
@@ -143,7 +144,10 @@ def close(a, b, tol):
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("chunk", [1, 5, 1024])
-def test_log_probs_entropy_values_and_grads(tp, dtype, chunk):
+@pytest.mark.parametrize("subblocks", ["min_size", "rows_16"])
+def test_log_probs_entropy_values_and_grads(tp, dtype, chunk, subblocks, monkeypatch):
+    if subblocks == "rows_16":  # tiny test vocabularies would otherwise always take one block
+        monkeypatch.setattr(logprobs_mod, "_MIN_SUBBLOCK_ELEMS", 1)
     tau = 0.7
     x = make_logits(tp * 10 + chunk, dtype=dtype)
     T = x.shape[0]
