@@ -25,13 +25,17 @@ Pieces (each needed to serve a tiny Qwen3 / Qwen3-MoE with `--device cpu`):
 - seeded sampling (`--enable-deterministic-inference`, which is what makes SGLang honour each
   request's `sampling_seed`): upstream allows it only with GPU attention backends and switches
   on "batch-invariant mode", which swaps aten matmuls for Triton kernels. On CPU the attention
-  backend (`intel_amx` / `torch_native`) is added to the allowed list and batch-invariant mode is
-  left off (those kernels are CUDA-only); sampling then uses the seeded path
-  (`multinomial_with_seed`), whose hash has a Triton kernel and a `sgl_kernel` CPU op only:
-  `murmur_hash32_cpu` is registered here as torch code (the Triton kernel's arithmetic, bit for
-  bit), and the sampler's `torch.compile` wrapper is taken off on CPU (Inductor would build C++ at
-  the first request of every server). Whether the CPU kernels are batch-invariant is measured, not
-  assumed: tests/e2e/test_trainer.py's exact-resume test compares runs bit for bit.
+  backend (`intel_amx` / `torch_native`) is added to the allowed list (SGLang then turns the
+  radix cache off itself), and batch-invariant mode is the CPU one below: aten::mm / aten::addmm
+  in fixed tiles of 64 rows, because MKL's GEMM rounds a row differently with the number of rows
+  in the call (so a sample's log-probs depended on its batch-mates, ~1e-7). Sampling uses the
+  seeded path (`multinomial_with_seed`), whose hash has a Triton kernel and a `sgl_kernel` CPU
+  op only: `murmur_hash32_cpu` is registered here as torch code (the Triton kernel's arithmetic,
+  bit for bit), and the sampler's `torch.compile` wrapper is taken off on CPU (Inductor would
+  build C++ at the first request of every server). Tested, not assumed: the same seeded requests
+  alone and amid others give bit-identical records (tests/e2e/test_sglang_rollout.py), and a
+  killed-and-resumed training run matches an uninterrupted one bit for bit
+  (tests/e2e/test_trainer.py).
 """
 
 from __future__ import annotations
@@ -174,6 +178,64 @@ def _register_murmur_op() -> None:
     _sgl_kernel_lib.impl("murmur_hash32_cpu", murmur_hash32_cpu, "CPU")
 
 
+# Batch-invariant matrix products on CPU. MKL's GEMM rounds a row differently depending on how many
+# rows the call has (blocking and kernel choice follow M; measured: a row's result changes for
+# 7+ rows), so a sequence's log-probs depended on which other requests shared its forward batch.
+# Every product here is computed in fixed tiles of BATCH_INVARIANT_ROWS rows (the last one padded
+# with zeros), so each row always meets the same kernel on the same shapes: its result depends
+# on its own values only. Same arithmetic as the untiled call, a Python loop per tile.
+BATCH_INVARIANT_ROWS = 64
+_batch_invariant_lib = None
+
+
+def _mm_fixed_tiles(a, b):
+    import torch
+
+    M, N = a.shape[0], b.shape[1]
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    out = torch.empty(M, N, dtype=dtype, device=a.device)
+    T = BATCH_INVARIANT_ROWS
+    full = M - M % T
+    for r in range(0, full, T):
+        torch.mm(a[r:r + T], b, out=out[r:r + T])  # aten::mm.out: the original kernel
+    if full < M:
+        pad = a.new_zeros(T, a.shape[1])
+        pad[:M - full] = a[full:]
+        tile = torch.empty(T, N, dtype=dtype, device=a.device)
+        torch.mm(pad, b, out=tile)
+        out[full:] = tile[:M - full]
+    return out
+
+
+def _addmm_fixed_tiles(bias, a, b, *, beta=1, alpha=1):
+    out = _mm_fixed_tiles(a, b)
+    if alpha != 1:
+        out.mul_(alpha)
+    if beta == 0:
+        return out
+    return out.add_(bias if beta == 1 else bias * beta)
+
+
+def enable_cpu_batch_invariant_mode() -> None:
+    """Route aten::mm / aten::addmm on CPU (F.linear, matmul, the LM head) through fixed tiles."""
+    global _batch_invariant_lib
+    import torch
+
+    if _batch_invariant_lib is not None:
+        return
+    _batch_invariant_lib = torch.library.Library("aten", "IMPL")
+    _batch_invariant_lib.impl("aten::mm", _mm_fixed_tiles, "CPU")
+    _batch_invariant_lib.impl("aten::addmm", _addmm_fixed_tiles, "CPU")
+
+
+def _maybe_enable_cpu_batch_invariant_mode(model_runner) -> None:
+    # Upstream's hook swaps in Triton kernels when --enable-deterministic-inference is on.
+    from sglang.srt.runtime_context import get_exec
+
+    if get_exec().deterministic.enable_deterministic_inference and str(model_runner.device) == "cpu":
+        enable_cpu_batch_invariant_mode()
+
+
 def _patch_deterministic_sampling() -> None:
     from sglang.srt.arg_groups import choices
     from sglang.srt.layers import sampler
@@ -182,7 +244,7 @@ def _patch_deterministic_sampling() -> None:
     for b in CPU_ATTENTION_BACKENDS:
         if b not in choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
             choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.append(b)
-    ModelRunner.maybe_enable_batch_invariant_mode = lambda self: None
+    ModelRunner.maybe_enable_batch_invariant_mode = _maybe_enable_cpu_batch_invariant_mode
     _register_murmur_op()
     # The module global is looked up at call time by sampling_from_probs_torch.
     compiled = sampler.multinomial_with_seed

@@ -100,14 +100,11 @@ def test_exact_resume_after_kill9(server_url, tmp_path):
     a, b = stable(read_metrics(straight)), stable(read_metrics(killed))
     assert [r["step"] for r in b] == list(range(6))
     for ra, rb in zip(a, b):
-        # Sampling (tokens, rewards) and the data stream are bit-identical. SGLang's CPU log-probs
-        # (mu) are not batch-invariant (they move by ~1e-7 with the batch composition, already
-        # between two fresh runs at step 0), so metrics that read mu match to fp32 noise.
-        exact = {k: (ra[k], rb.get(k)) for k in ra if k.startswith("rollout/") and ra[k] != rb.get(k)}
-        assert not exact, f"step {ra['step']}: {exact}"
-        close = {k: (ra[k], rb.get(k)) for k in ra
-                 if rb.get(k) is None or abs(ra[k] - rb[k]) > 1e-6 + 1e-4 * abs(ra[k])}
-        assert not close, f"step {ra['step']}: {close}"
+        # Bitwise: seeded sampling, SGLang's CPU batch-invariant GEMMs (patches/sglang_cpu.py; the
+        # resumed server sees other batch compositions than the straight run's), exact RNG and
+        # data-stream restore.
+        diff = {k: (ra[k], rb.get(k)) for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)}
+        assert not diff, f"step {ra['step']}: {diff}"
 
 
 def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):

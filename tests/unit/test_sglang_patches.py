@@ -129,3 +129,60 @@ def test_seeded_sampling_hash_is_murmur3():
             key = (s & 0xFFFFFFFF).to_bytes(4, "little") + (s >> 32).to_bytes(4, "little") \
                 + p.to_bytes(4, "little") + c.to_bytes(4, "little")
             assert int(out[i, j].to(torch.int64)) == _murmur3_x86_32(key), (s, p, c)
+
+
+def _rows_invariant(linear, x, W) -> bool:
+    """Whether each row's result is the same whatever the rows around it and their number."""
+    import torch
+
+    for row in (0, 5, 70):
+        ref = linear(x[row:row + 1], W)
+        for M in (2, 3, 7, 16, 17, 64, 65, 100, 300):
+            for pos in (0, M // 2, M - 1):
+                xx = x[:M].clone()
+                xx[pos] = x[row]
+                if not torch.equal(linear(xx, W)[pos:pos + 1], ref):
+                    return False
+    return True
+
+
+def test_fixed_tile_matmul_is_batch_invariant_and_exact():
+    """The CPU batch-invariant GEMM: equal to float64 math to fp32 rounding, and a row's result
+    does not depend on its batch-mates — which plain torch.mm (MKL) does not guarantee."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(96, 64, generator=g)
+    x = torch.randn(300, 64, generator=g)
+    bias = torch.randn(96, generator=g)
+    tiled = lambda a, w: sglang_cpu._mm_fixed_tiles(a, w.t())
+    plain = lambda a, w: torch.mm(a, w.t())
+    assert _rows_invariant(tiled, x, W)
+    assert not _rows_invariant(plain, x, W)  # why the patch exists (MKL, this build of torch)
+    for M in (1, 63, 64, 65, 300):
+        ref = x[:M].double() @ W.t().double()
+        torch.testing.assert_close(tiled(x[:M], W).double(), ref, rtol=0, atol=1e-4)
+        out = sglang_cpu._addmm_fixed_tiles(bias, x[:M], W.t(), beta=0.5, alpha=2.0)
+        torch.testing.assert_close(out.double(), 0.5 * bias.double() + 2 * ref, rtol=0, atol=2e-4)
+
+
+def test_batch_invariant_mode_routes_linear_and_matmul():
+    """Once enabled (what the scheduler does under --enable-deterministic-inference on CPU),
+    F.linear with and without bias and 3-D matmul go through the fixed tiles."""
+    code = textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from patches import sglang_cpu
+        from tests.unit.test_sglang_patches import _rows_invariant
+        g = torch.Generator().manual_seed(0)
+        W, x, b = torch.randn(96, 64, generator=g), torch.randn(300, 64, generator=g), torch.randn(96, generator=g)
+        assert not _rows_invariant(F.linear, x, W)
+        sglang_cpu.enable_cpu_batch_invariant_mode()
+        assert _rows_invariant(F.linear, x, W)
+        assert _rows_invariant(lambda a, w: F.linear(a, w, b), x, W)
+        assert _rows_invariant(lambda a, w: torch.matmul(a[None], w.t())[0], x, W)
+        torch.testing.assert_close(F.linear(x, W, b).double(), x.double() @ W.t().double() + b.double(), rtol=0, atol=1e-4)
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
