@@ -163,7 +163,7 @@ class AlgorithmConfig:
     recompute_old_logp: bool = False  # recompute log pi_old before training (needed by corrections)
     correction: Optional[str] = None  # tis | icepop (needs recompute_old_logp)
     correction_kwargs: dict[str, Any] = field(default_factory=dict)
-    kl_coef: float = 0.0  # KL-to-reference loss coefficient (needs a reference model)
+    kl_coef: float = 0.0  # KL-to-reference loss coefficient (> 0 builds a frozen reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     entropy_coef: float = 0.0  # entropy bonus coefficient
     router_replay: str = "none"  # MoE: none | r2 (replay the old-log-prob pass) | r3 (replay the engine's routes)

@@ -76,9 +76,7 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"algorithm.divergence={a.divergence} needs rollout.top_k_logprobs > 0 (e.g. 20)")
     if a.correction and not a.recompute_old_logp:
         raise ValueError(f"algorithm.correction={a.correction} needs algorithm.recompute_old_logp=true")
-    if a.kl_coef:
-        raise ValueError("algorithm.kl_coef > 0 needs a reference model, which the trainer does not "
-                         "build yet; use kl_coef=0")
+    get("kl", a.kl_estimator)
     if r.prompts_per_step % a.mini_batches:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
                          f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
@@ -99,6 +97,10 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
         self.learner = Learner(cfg, ctx, run_dir=str(self.out_dir), total_steps=t.steps)
+        # The frozen initial policy for the KL penalty: a second, forward-only model with the
+        # policy's layout, built from the same HF checkpoint (never from a resumed checkpoint).
+        self.reference = (Learner(cfg, ctx, run_dir=str(self.out_dir), trainable=False)
+                          if cfg.algorithm.kl_coef else None)
         if cfg.algorithm.router_replay != "none" and self.learner.router_replay is None:
             raise ValueError(f"algorithm.router_replay={cfg.algorithm.router_replay} needs an MoE model")
         self.tokenizer = AutoTokenizer.from_pretrained(self.learner.hf_path)
@@ -145,6 +147,8 @@ class Trainer:
                     self.compute_advantages(batch)
                 with timer("old_logp"):
                     metrics |= self.old_logprobs(batch)
+                with timer("ref_logp"):
+                    self.reference_logprobs(batch)
                 with timer("train"):
                     metrics |= self.train_policy(batch)
             self.step += 1
@@ -244,6 +248,14 @@ class Trainer:
             batch["old_logp"] = torch.where(batch["loss_mask"] > 0, old, torch.zeros_like(old))
         mask = batch["loss_mask"] > 0
         return {"mismatch/old_vs_rollout_abs_logp": float((old - batch["rollout_logp"]).abs()[mask].mean())}
+
+    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> None:
+        """log π_ref of the sampled tokens (at the rollout temperature) for the KL penalty."""
+        if self.reference is None:
+            return
+        routing = "replay" if self.cfg.algorithm.router_replay == "r3" else None
+        ref = self.reference.forward_logprobs(batch, routing=routing, temperature=self.cfg.rollout.temperature)
+        batch["ref_logp"] = torch.where(batch["loss_mask"] > 0, ref, torch.zeros_like(ref))
 
     def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm

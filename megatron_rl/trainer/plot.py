@@ -20,7 +20,7 @@ PANELS = (
                                      "mismatch/old_vs_rollout_abs_logp"), None),
     ("masked fraction", ("masked_frac", "masked_frac/mu_lt_0.1", "masked_frac/mu_0.1_0.9",
                          "masked_frac/mu_gt_0.9", "masked_frac/adv_pos", "masked_frac/adv_neg"), None),
-    ("step time (s)", ("time/step", "time/generate", "time/train", "time/weight_sync", "time/old_logp"), None),
+    ("step time (s)", ("time/step", "time/generate", "time/train", "time/weight_sync", "time/old_logp", "time/ref_logp"), None),
 )
 
 

@@ -49,7 +49,11 @@ class PolicyLoss:
             topk_ids=mb.get("topk_ids") if topk else None,
             topk_logp=mb.get("topk_logp") if topk else None,
             divergences=divs, with_entropy=True, entropy_grad=a.entropy_coef != 0,
-            temperature=self.temperature, vocab_size=vocab_size)
+            temperature=self.temperature, vocab_size=vocab_size,
+            # The output layer's fp32 logits are read by nothing after the loss: reuse their
+            # storage as the scratch buffer and then as the gradient (megatron-core's trick).
+            inplace_logits=logits_BSV.dtype == torch.float32 and a.entropy_coef == 0
+            and logits_BSV.is_contiguous())
         kwargs = self.kwargs
         if self.entropy_eps is not None:
             eps = aspo_entropy_eps(ps.entropy, mb["loss_mask"] > 0, **self.entropy_eps)
@@ -60,6 +64,7 @@ class PolicyLoss:
             agg_mode=a.agg_mode, max_response_length=self.max_len, loss_kwargs=kwargs,
             old_logp=mb.get("old_logp"), divergence=ps.divergence(a.divergence) if divs else None,
             entropy=ps.entropy, entropy_coef=a.entropy_coef,
+            ref_logp=mb.get("ref_logp"), kl_estimator=a.kl_estimator, kl_coef=a.kl_coef,
             correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
         return loss, {}

@@ -208,3 +208,19 @@ def test_compare_runs_every_algorithm_and_plots(tmp_path):
     # the seed reaches the model init: the two seeds' first steps differ
     a, b = (stable(read_metrics(out / "cispo" / f"seed{s}"))[0] for s in range(2))
     assert a["entropy/mean"] != b["entropy/mean"]
+
+
+def test_kl_to_reference_through_the_loop(server_url, tmp_path):
+    """algorithm.kl_coef > 0: the trainer builds the frozen reference, computes its log-probs every
+    step and trains with the KL term; loss/kl is logged (0 before the policy first moves, then
+    positive). The estimator's value itself is checked in tests/distributed/test_reference_kl.py."""
+    # An entropy bonus moves the policy even when this small batch has no informative group.
+    run(tmp_path / "kl", server_url, "trainer.steps=2", "algorithm.kl_coef=0.1", "algorithm.mini_batches=1",
+        "algorithm.entropy_coef=0.01")
+    rows = [r for r in read_metrics(tmp_path / "kl") if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert abs(rows[0]["loss/kl"]) < 1e-6 and rows[1]["loss/kl"] > 1e-6, rows
+    assert all(r["time/ref_logp"] > 0 for r in rows)
+    for r in rows:
+        assert r["loss/total"] == pytest.approx(
+            r["loss/pg"] + 0.1 * r["loss/kl"] - 0.01 * r["loss/entropy"], rel=1e-5, abs=1e-9)
