@@ -73,11 +73,12 @@ def test_applies_to_installed_sglang():
         assert cache.buffer.device.type == "cpu" and not cache.buffer.is_pinned()
         assert cache.buffer.shape == (16, 2, 2) and int(cache.buffer.abs().sum()) == 0
         cache.destroy()
-        # seeded sampling allowed with the CPU attention backend; no CUDA batch-invariant kernels
+        # seeded sampling allowed with the CPU attention backend; the CPU batch-invariant mode
+        # (fixed-tile GEMMs) instead of upstream's CUDA kernels
         from sglang.srt.arg_groups.choices import DETERMINISTIC_ATTENTION_BACKEND_CHOICES
         assert "intel_amx" in DETERMINISTIC_ATTENTION_BACKEND_CHOICES
         from sglang.srt.model_executor.model_runner import ModelRunner
-        assert ModelRunner.maybe_enable_batch_invariant_mode(None) is None
+        assert ModelRunner.maybe_enable_batch_invariant_mode is sglang_cpu._maybe_enable_cpu_batch_invariant_mode
         # seeded sampling on CPU: the hash op exists, the sampler runs eagerly, AMX stays off
         from sglang.srt.layers import sampler
         assert not hasattr(sampler.multinomial_with_seed, "_torchdynamo_orig_callable")
