@@ -16,8 +16,9 @@ Backward (hand-written, recomputing p from the saved lse instead of storing a [T
 Memory: one accumulation-dtype scratch buffer [chunk, V_l] per call (fp32 for bf16/fp16/fp32
 logits, fp64 for fp64), reused across token chunks; with entropy, a second temporary of at most
 max(chunk/16 rows, 256k elements). For fp32 logits the backward writes straight into the gradient
-tensor, so it needs no scratch at all. With inplace_logits (fp32/fp64 only) the logits' own storage serves as the
-buffer and then as the gradient (Megatron's trick): no extra memory and one exp pass in total.
+tensor, so it needs no scratch at all. With inplace_logits (fp32/fp64 only) the logits' own
+storage serves as the buffer and then as the gradient (Megatron's trick): no extra memory and one
+exp pass in total.
 Padded vocabulary columns (global id >= vocab_size) are excluded (-inf); ids outside
 [0, vocab_size) get log-prob -inf and no gradient. Logits are assumed finite.
 """
@@ -72,7 +73,8 @@ def _subblock_rows(rows: int, cols: int) -> int:
 
 
 def _sumexp_and_w(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum_i exp z_i, sum_i exp(z_i) z_i) per row, keeping z; temporaries of <= rows/16 rows."""
+    """(sum_i exp z_i, sum_i exp(z_i) z_i) per row, keeping z; temporaries of one sub-block
+    (`_subblock_rows`)."""
     rows = z.shape[0]
     s = z.new_empty(rows)
     w = z.new_empty(rows)
