@@ -63,6 +63,9 @@ def _common_config(vocab_size: int, num_layers: int, hidden: int, heads: int, kv
     )
 
 
+_LAYOUT_VERSION = 2  # bump when the weights made for the same arguments change (2: pad row)
+
+
 def make_tiny_checkpoint(
     path: str | Path,
     *,
@@ -94,7 +97,7 @@ def make_tiny_checkpoint(
     args = dict(moe=moe, num_layers=num_layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                 head_dim=head_dim, ffn=ffn, num_experts=num_experts, topk=topk, moe_ffn=moe_ffn,
                 norm_topk_prob=norm_topk_prob, vocab_size=vocab_size, max_positions=max_positions,
-                init_std=init_std, seed=seed)
+                init_std=init_std, seed=seed, layout=_LAYOUT_VERSION)
     stamp = path / "megatron_rl_tiny.json"
     if stamp.exists() and json.loads(stamp.read_text()) == args:
         return path
@@ -121,7 +124,13 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF initialises RMSNorm weights to 1; perturb them so a mapping error on a norm is visible.
+    # HF also zeroes the pad token's embedding row. A random model samples the pad token like any
+    # other, and a zero row meets the first RMSNorm at |x| ≈ 0, whose gradient is 1/sqrt(eps)
+    # (1000x) larger: one sampled pad token then dominated the gradient norm (seen: 3e4, so grad
+    # clipping shrank every other gradient by that factor). Every row gets a random vector.
     with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[config.pad_token_id].normal_(0.0, init_std)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))

@@ -157,11 +157,12 @@ def rollouts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("r3")
     path = make_tied_checkpoint(root / "model")
-    cfg = ServerConfig(model_path=str(path), max_total_tokens=2048, enable_return_routed_experts=True)
+    cfg = ServerConfig(model_path=str(path), max_total_tokens=2048, enable_return_routed_experts=True,
+                       extra_args=("--enable-deterministic-inference",))  # seeded: same rollouts every run
 
     async def generate(url):
         async with RolloutClient([url], moe_topk=MODEL["topk"]) as client:
-            return await client.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW),
+            return await client.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=0),
                                          n=N, return_routed_experts=True)
 
     with EngineManager(cfg, 1, log_dir=root / "logs") as mgr:

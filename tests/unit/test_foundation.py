@@ -201,6 +201,10 @@ def test_tiny_checkpoint_loads_in_transformers(tmp_path):
     assert model.config.num_experts == 4
     logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), 256) and torch.isfinite(logits).all()
+    # No all-zero embedding row (HF zeroes the pad token's): a sampled pad token would otherwise
+    # meet RMSNorm at |x| = 0, whose gradient is 1/sqrt(eps) times larger.
+    embed = model.get_input_embeddings().weight
+    assert embed.norm(dim=1).min() > 0.1 * embed.norm(dim=1).mean(), embed.norm(dim=1)[:4]
     # Reuse: same arguments -> nothing rewritten.
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     make_tiny_checkpoint(tmp_path / "m", moe=True, num_layers=1)
