@@ -33,6 +33,10 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None) -> int:
     sizes = layout_sizes(job.parallel, world_size)
     validate(job)
     check_model_path(job.model)
+    if job.reward_model.enabled and job.reward_model.hf_path:
+        check_model_path(job.reward_model, "reward_model.hf_path")
+    if job.algorithm.advantage == "gae" and job.critic.hf_path:
+        check_model_path(job.critic, "critic.hf_path")
     check_data_files(job.data)
     if job.data.source == "files":  # read every row now: a bad row fails here, not mid-run
         n_train = len(load_examples(job.data, "train"))

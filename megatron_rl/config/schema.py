@@ -117,8 +117,8 @@ class DataConfig:
     eval_files: list[str] = field(default_factory=list)  # held-out prompts; empty = synthetic eval / none
     messages_field: Optional[str] = "prompt"  # row field holding the chat messages
     text_field: Optional[str] = None  # or: a row field holding the plain prompt text
-    answer_field: str = "reward_model.ground_truth"  # row field holding the ground truth
-    reward: str = "synthetic"  # reward function (rewards/): synthetic | math
+    answer_field: Optional[str] = "reward_model.ground_truth"  # row field holding the ground truth; null = none (reward model only)
+    reward: str = "synthetic"  # reward function (rewards/): synthetic | math | none (0: a learned reward model scores)
     shuffle_seed: int = 0  # prompt order seed (reshuffled every epoch)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
@@ -153,7 +153,8 @@ class RolloutConfig:
 class AlgorithmConfig:
     """The RL objective: advantages, policy loss and its trust region, extra terms."""
 
-    advantage: str = "dr_grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline
+    advantage: str = "dr_grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (builds the critic)
+    advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of the estimator (gae: gamma, lam, whiten)
     policy_loss: str = "dppo"  # dppo | ppo | pg_is | cispo | aspo | atr | gspo
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of the policy loss (e.g. delta)
     divergence: Optional[str] = "binary_tv"  # DPPO divergence: binary_tv | binary_kl | topk_tv | topk_kl
@@ -163,12 +164,41 @@ class AlgorithmConfig:
     recompute_old_logp: bool = False  # recompute log pi_old before training (needed by corrections)
     correction: Optional[str] = None  # tis | icepop (needs recompute_old_logp)
     correction_kwargs: dict[str, Any] = field(default_factory=dict)
-    kl_coef: float = 0.0  # KL-to-reference loss coefficient (> 0 builds a frozen reference model)
+    kl_coef: float = 0.0  # KL-to-reference coefficient (> 0 builds a frozen reference model)
     kl_estimator: str = "k3"  # k1 | k2 | k3
+    kl_in_reward: bool = False  # the KL penalty goes into the per-token rewards (before GAE), not the loss
     entropy_coef: float = 0.0  # entropy bonus coefficient
     router_replay: str = "none"  # MoE: none | r2 (replay the old-log-prob pass) | r3 (replay the engine's routes)
     overlong_buffer: int = 0  # DAPO soft overlong punishment buffer (0 = off)
     overlong_penalty: float = 1.0  # its factor
+
+
+@dataclass
+class CriticConfig:
+    """The PPO value model, built when algorithm.advantage = gae. It shares the policy's parallel
+    layout and micro-batch size, and trains on the same mini-batches, with its own optimizer."""
+
+    hf_path: Optional[str] = None  # HF checkpoint of its trunk; None = the policy's, with a fresh value head
+    head_init_std: Optional[float] = None  # value-head init std; None = the checkpoint's initializer_range
+    value_loss: str = "clipped"  # clipped | mse
+    value_clip: float = 0.2  # ε of the clipped value loss
+    loss_agg_mode: str = "token-mean"  # aggregation of the per-token value loss
+    warmup_steps: int = 0  # first steps train only the critic (the policy waits for useful values)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  # the critic's optimizer
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned (Bradley–Terry) reward model scoring prompt+response, forward-only on Megatron-Core
+    with the policy's layout. It must share the policy's tokenizer (token ids are passed as is)."""
+
+    enabled: bool = False  # score every response with the reward model
+    hf_path: Optional[str] = None  # *ForSequenceClassification checkpoint; None = build `tiny` in the run dir
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when hf_path is None (dense fields only)
+    weight: float = 1.0  # reward = rule_weight · rule reward + weight · (normalised) model score
+    rule_weight: float = 1.0  # 0: the reward model alone
+    normalize: str = "none"  # none | batch (whiten the scores over the rollout batch)
+    clip: Optional[float] = None  # clip the (normalised) score to [-clip, clip]; None = off
 
 
 @dataclass
@@ -216,5 +246,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

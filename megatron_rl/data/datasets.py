@@ -75,7 +75,7 @@ def load_prompts(
     *,
     messages_field: Optional[str] = "prompt",
     text_field: Optional[str] = None,
-    answer_field: str = "reward_model.ground_truth",
+    answer_field: Optional[str] = "reward_model.ground_truth",
     source_field: str = "data_source",
     limit: Optional[int] = None,
 ) -> list[PromptExample]:
@@ -105,12 +105,15 @@ def load_prompts(
                 field = messages_field
                 messages = _messages(_get(row, messages_field), where, messages_field)
             field = answer_field
-            answer = _get(row, answer_field)
+            # No answer field: prompts scored by a learned reward model only (RLHF).
+            answer = _get(row, answer_field) if answer_field else None
         except KeyError:
             raise DataError(f"{where}: field '{field}' is missing") from None
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        if not isinstance(answer, str) or not answer.strip():
+        if answer_field is None:
+            answer = ""
+        elif not isinstance(answer, str) or not answer.strip():
             raise DataError(f"{where}: field '{answer_field}': expected a non-empty string answer, "
                             f"got {answer!r:.80}")
         source = row.get(source_field, "") if isinstance(row.get(source_field, ""), str) else ""

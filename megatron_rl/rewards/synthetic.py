@@ -1,4 +1,4 @@
-"""Exact-match reward for the synthetic task: 1.0 iff the answer before the end-of-turn matches."""
+"""Built-in rule rewards: exact match for the synthetic task, and `none` (a learned reward model alone)."""
 
 from __future__ import annotations
 
@@ -10,3 +10,9 @@ END_OF_TURN = "<|im_end|>"
 @register_reward("synthetic")
 def exact_match(response: str, ground_truth: str) -> float:
     return float(response.split(END_OF_TURN)[0].strip() == ground_truth.strip())
+
+
+@register_reward("none")
+def no_rule_reward(response: str, ground_truth: str) -> float:
+    """No rule: the learned reward model (reward_model.*) scores every response alone."""
+    return 0.0

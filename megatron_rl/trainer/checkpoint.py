@@ -7,7 +7,9 @@ A checkpoint is a folder `<out_dir>/checkpoints/step_<N>` holding
 - the LR scheduler and the trainer state (step, prompt-stream position, weight version) as common
   state written once,
 - every rank's RNG states (python, torch, Megatron's model-parallel tracker) in `rng/rank<r>.pt`,
-  so dropout and sampling continue bit for bit.
+  so dropout and sampling continue bit for bit;
+- other trained models of the run (the PPO critic) in a sub-folder each, `<name>/`, with their
+  own model, optimizer and LR scheduler state.
 It is written to `step_<N>.tmp` and renamed only when every rank has finished; the file `latest`
 is then replaced atomically. A crash mid-write therefore leaves the previous checkpoint intact, and
 `latest_checkpoint` never returns a partial one. Older checkpoints beyond `keep` are removed.
@@ -78,11 +80,38 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
     return state
 
 
-def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
-                    keep: int = 2) -> Path:
-    """Collective: every learner rank calls it. Returns the checkpoint folder."""
+def _save_learner(learner, folder: Path, extra_state: Optional[dict[str, Any]] = None) -> None:
     from megatron.core import dist_checkpointing
 
+    state = _sharded_state(learner, is_loading=False)
+    state["scheduler"] = learner.scheduler.state_dict()
+    if extra_state is not None:
+        state["trainer"] = dict(extra_state)
+    dist_checkpointing.save(state, str(folder))
+
+
+def _load_learner(learner, folder: Path, with_trainer_state: bool = False) -> Optional[dict[str, Any]]:
+    from megatron.core import dist_checkpointing
+
+    if not folder.is_dir():
+        raise FileNotFoundError(f"checkpoint {folder.parent} has no {folder.name}/ (was it written by a "
+                                f"run without that model?)")
+    state = _sharded_state(learner, is_loading=True)
+    state["scheduler"] = None
+    if with_trainer_state:
+        state["trainer"] = None
+    loaded = dist_checkpointing.load(state, str(folder))
+    for i, chunk in enumerate(learner.model):
+        chunk.module.load_state_dict(loaded[f"model{i}"])
+    learner.optimizer.load_state_dict(loaded["optimizer"])
+    learner.scheduler.load_state_dict(loaded["scheduler"])
+    return loaded.get("trainer")
+
+
+def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
+                    keep: int = 2, others: Optional[dict[str, Any]] = None) -> Path:
+    """Collective: every learner rank calls it. `others`: {name: learner} saved in `<name>/`.
+    Returns the checkpoint folder."""
     root = checkpoints_root(out_dir)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{PREFIX}{step:08d}.tmp"
@@ -91,10 +120,13 @@ def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = _sharded_state(learner, is_loading=False)
-    state["scheduler"] = learner.scheduler.state_dict()
-    state["trainer"] = dict(trainer_state)
-    dist_checkpointing.save(state, str(tmp))
+    _save_learner(learner, tmp, trainer_state)
+    for name, other in (others or {}).items():
+        # Made after the policy's save: dist_checkpointing warns about a non-empty folder.
+        if rank == 0:
+            (tmp / name).mkdir()
+        dist.barrier()
+        _save_learner(other, tmp / name)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
     dist.barrier()
@@ -111,20 +143,14 @@ def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict
     return final
 
 
-def load_checkpoint(learner, path: str | Path) -> dict[str, Any]:
-    """Collective: restore model, optimizer, scheduler and this rank's RNG; return the trainer state."""
-    from megatron.core import dist_checkpointing
-
+def load_checkpoint(learner, path: str | Path, others: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Collective: restore model, optimizer, scheduler (and those of `others`, as saved) and this
+    rank's RNG; return the trainer state."""
     path = Path(path)
-    state = _sharded_state(learner, is_loading=True)
-    state["scheduler"] = None
-    state["trainer"] = None
-    loaded = dist_checkpointing.load(state, str(path))
-    for i, chunk in enumerate(learner.model):
-        chunk.module.load_state_dict(loaded[f"model{i}"])
-    learner.optimizer.load_state_dict(loaded["optimizer"])
-    learner.scheduler.load_state_dict(loaded["scheduler"])
+    trainer_state = _load_learner(learner, path, with_trainer_state=True)
+    for name, other in (others or {}).items():
+        _load_learner(other, path / name)
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.exists():
         _set_rng_state(torch.load(rng, weights_only=False))
-    return loaded["trainer"]
+    return trainer_state

@@ -1,5 +1,6 @@
-"""The RL loop: generate → reward → advantages → (old log-probs) → train → sync weights → log →
-evaluate → checkpoint, one named call per stage (`Trainer.fit`).
+"""The RL loop: generate → (reward model) → (old log-probs) → (reference log-probs) → (values) →
+advantages → (train critic) → train policy → sync weights → log → evaluate → checkpoint, one named
+call per stage (`Trainer.fit`).
 
 Every learner rank runs this; rank 0 also drives the SGLang servers and scores responses, and the
 rollout batch then goes to all ranks (trainer/batch.py documents its layout). Training runs
@@ -8,6 +9,13 @@ optimizer step through Megatron's schedules with the policy loss of trainer/poli
 divergences computed vocab-parallel on the logit shards. Router replay (MoE): r3 replays the
 engine's routes in every training forward; r2 records the old-log-prob pass and replays it.
 
+The four-model PPO setup: `algorithm.kl_coef > 0` builds a frozen reference policy;
+`reward_model.enabled` a frozen sequence-classification reward model whose score joins the rule
+reward; `algorithm.advantage = gae` a critic (value model) whose values feed GAE and which trains on
+the same mini-batches as the policy (first, so the policy's step sees the same batch). All of them
+share the policy's parallel layout. With `algorithm.kl_in_reward` the KL penalty is subtracted
+from the per-token rewards (estimator on the rollout log-probs) instead of added to the loss.
+
 Modes (`trainer.mode`) swap the rollout source, not the loop: `train` (live SGLang),
 `rollout_only` (live, batches saved to rollouts_dir, no training), `train_only` (batches read
 back from rollouts_dir, no servers).
@@ -15,6 +23,7 @@ back from rollouts_dir, no servers).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 from contextlib import contextmanager
@@ -77,6 +86,29 @@ def validate(cfg: JobConfig) -> None:
     if a.correction and not a.recompute_old_logp:
         raise ValueError(f"algorithm.correction={a.correction} needs algorithm.recompute_old_logp=true")
     get("kl", a.kl_estimator)
+    if a.kl_in_reward and not a.kl_coef:
+        raise ValueError("algorithm.kl_in_reward=true needs algorithm.kl_coef > 0")
+    estimator = get("advantage", a.advantage)
+    params = inspect.signature(estimator).parameters
+    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY
+                   and k not in ("group_ids_B", "values_BT"))
+    for k in a.advantage_kwargs:
+        if k not in valid:
+            raise ValueError(f"algorithm.advantage_kwargs.{k} is not an argument of advantage "
+                             f"{a.advantage!r}; valid: {', '.join(valid) or '(none)'}")
+    if a.advantage == "gae":
+        get("value_loss", cfg.critic.value_loss)
+    rm = cfg.reward_model
+    if cfg.data.reward == "none" and not rm.enabled:
+        raise ValueError("data.reward=none (no rule reward) needs reward_model.enabled=true")
+    if rm.enabled:
+        from megatron_rl.rewards.model_rewards import NORMALIZE
+
+        if rm.normalize not in NORMALIZE:
+            raise ValueError(f"reward_model.normalize={rm.normalize!r}; valid: {', '.join(NORMALIZE)}")
+        if r.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling filters groups by their rule rewards before the "
+                             "reward model scores them; it cannot be combined with reward_model.enabled")
     if r.prompts_per_step % a.mini_batches:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
                          f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
@@ -101,6 +133,8 @@ class Trainer:
         # policy's layout, built from the same HF checkpoint (never from a resumed checkpoint).
         self.reference = (Learner(cfg, ctx, run_dir=str(self.out_dir), trainable=False)
                           if cfg.algorithm.kl_coef else None)
+        self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
+        self.reward_model = self._build_reward_model() if cfg.reward_model.enabled else None
         if cfg.algorithm.router_replay != "none" and self.learner.router_replay is None:
             raise ValueError(f"algorithm.router_replay={cfg.algorithm.router_replay} needs an MoE model")
         self.tokenizer = AutoTokenizer.from_pretrained(self.learner.hf_path)
@@ -111,7 +145,7 @@ class Trainer:
         self.step, self.weight_version = 0, "0"
         ckpt = latest_checkpoint(self.out_dir) if t.resume else None
         if ckpt is not None:
-            state = load_checkpoint(self.learner, ckpt)
+            state = load_checkpoint(self.learner, ckpt, others=self._others())
             self.step, self.weight_version = state["step"], state["weight_version"]
             self.prompts.load_state_dict(state["prompts"])
         self.logger = MetricsLogger(self.out_dir, t, enabled=ctx.rank == 0, start_step=self.step,
@@ -126,6 +160,51 @@ class Trainer:
             self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk)
         self.stop = StopRequest()
         self.history: list[dict] = []
+
+    def _build_critic(self):
+        """The value model: the policy's checkpoint (or critic.hf_path) with a scalar head."""
+        from megatron_rl.learner.critic import Critic
+
+        c = self.cfg.critic
+        cfg = copy.deepcopy(self.cfg)
+        cfg.model.hf_path = c.hf_path or str(self.learner.hf_path)
+        cfg.optim = copy.deepcopy(c.optim)
+        return Critic(cfg, self.ctx, run_dir=str(self.out_dir), total_steps=self.cfg.trainer.steps,
+                      value_loss=c.value_loss, value_clip=c.value_clip, loss_agg_mode=c.loss_agg_mode,
+                      max_response_length=self.cfg.rollout.max_new_tokens, head_init_std=c.head_init_std)
+
+    def _build_reward_model(self):
+        from megatron_rl.learner.reward_model import RewardModel
+
+        rm = self.cfg.reward_model
+        cfg = copy.deepcopy(self.cfg)
+        cfg.model.hf_path = rm.hf_path or str(self._tiny_reward_checkpoint())
+        model = RewardModel(cfg, self.ctx, run_dir=str(self.out_dir))
+        if model.vocab_size != self.learner.vocab_size:
+            raise ValueError(f"reward model {model.hf_path} has vocabulary {model.vocab_size}, the policy "
+                             f"{self.learner.vocab_size}: the reward model must share the policy's tokenizer")
+        return model
+
+    def _tiny_reward_checkpoint(self) -> Path:
+        """Collective: rank 0 writes a tiny random reward model into the run dir."""
+        from megatron_rl.models.tiny_reward import make_tiny_reward_checkpoint
+
+        t = self.cfg.reward_model.tiny
+        if t.moe:
+            raise ValueError("reward_model.tiny.moe: the tiny reward model is dense (Qwen3ForSequenceClassification)")
+        path = self.out_dir / "tiny_reward_model"
+        if self.ctx.rank == 0:
+            make_tiny_reward_checkpoint(path, num_layers=t.num_layers, hidden=t.hidden, heads=t.heads,
+                                        kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn,
+                                        vocab_size=t.vocab_size, max_positions=t.max_positions,
+                                        init_std=t.init_std, seed=t.seed)
+        if dist.is_initialized():
+            dist.barrier()
+        return path
+
+    def _others(self) -> dict:
+        """Trained models besides the policy, checkpointed with it."""
+        return {"critic": self.critic} if self.critic is not None else {}
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -143,14 +222,24 @@ class Trainer:
             if t.mode == "rollout_only":
                 self.save_rollouts(batch, metrics)
             else:
-                with timer("advantages"):
-                    self.compute_advantages(batch)
+                if self.reward_model is not None:
+                    with timer("reward_model"):
+                        metrics |= self.score_with_reward_model(batch)
                 with timer("old_logp"):
                     metrics |= self.old_logprobs(batch)
                 with timer("ref_logp"):
-                    self.reference_logprobs(batch)
-                with timer("train"):
-                    metrics |= self.train_policy(batch)
+                    metrics |= self.reference_logprobs(batch)
+                if self.critic is not None:
+                    with timer("values"):
+                        batch["old_values"] = self.critic.forward_values({"input_ids": batch["input_ids"]})
+                with timer("advantages"):
+                    metrics |= self.compute_advantages(batch)
+                if self.critic is not None:
+                    with timer("train_critic"):
+                        metrics |= self.train_critic(batch)
+                if self.step >= self.cfg.critic.warmup_steps or self.critic is None:
+                    with timer("train"):
+                        metrics |= self.train_policy(batch)
             self.step += 1
             if t.mode == "train":
                 with timer("weight_sync"):
@@ -221,17 +310,48 @@ class Trainer:
             self.rollouts_dir.mkdir(parents=True, exist_ok=True)
             torch.save((batch, metrics), self.rollouts_dir / f"step_{self.step:08d}.pt")
 
-    def compute_advantages(self, batch: dict[str, torch.Tensor]) -> None:
+    def score_with_reward_model(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Collective: the reward model scores prompt+response; its score joins the rule reward."""
+        from megatron_rl.rewards.model_rewards import combine_rewards, sequence_attention_mask
+
+        rm = self.cfg.reward_model
+        scores = self.reward_model.score({"input_ids": batch["input_ids"],
+                                          "attention_mask": sequence_attention_mask(batch["loss_mask"])})
+        if not bool(torch.isfinite(scores).all()):
+            raise TrainingError(f"step {self.step}: reward model scores are not finite for sequences "
+                                f"{torch.nonzero(~torch.isfinite(scores)).flatten().tolist()}")
+        batch["rm_scores"] = scores
+        batch["rewards"], metrics = combine_rewards(batch["rewards"], scores, weight=rm.weight,
+                                                    rule_weight=rm.rule_weight, normalize=rm.normalize,
+                                                    clip=rm.clip)
+        return metrics
+
+    def compute_advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm
+        metrics: dict[str, float] = {}
         if a.overlong_buffer:
             from megatron_rl.algorithms.dapo import overlong_soft_punishment
 
             penalty = overlong_soft_punishment(batch["response_len"], max_length=self.cfg.rollout.max_new_tokens,
                                                buffer_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
             batch["rewards"] = batch["rewards"] + penalty
-        adv, _ = get("advantage", a.advantage)(batching.token_rewards(batch), batch["loss_mask"],
-                                                group_ids_B=batch["group_ids"])
+        rewards = batching.token_rewards(batch)
+        mask = batch["loss_mask"]
+        if a.kl_in_reward:
+            from megatron_rl.algorithms.kl import kl_penalty_rewards
+
+            logp = batch.get("old_logp", batch["rollout_logp"])
+            rewards = kl_penalty_rewards(rewards, logp, batch["ref_logp"], coef=a.kl_coef,
+                                         estimator=a.kl_estimator, response_mask=mask)
+            metrics["reward/with_kl_penalty_mean"] = float(rewards.double().sum() / mask.shape[0])
+        values = batch.get("old_values")
+        adv, returns = get("advantage", a.advantage)(rewards, mask, group_ids_B=batch["group_ids"],
+                                                     **({"values_BT": values} if values is not None else {}),
+                                                     **a.advantage_kwargs)
         batch["advantages"] = adv.float()
+        if values is not None:
+            batch["returns"] = returns.float()
+        return metrics
 
     def old_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """π_old recompute (for mismatch corrections) and R2's recording pass."""
@@ -249,13 +369,36 @@ class Trainer:
         mask = batch["loss_mask"] > 0
         return {"mismatch/old_vs_rollout_abs_logp": float((old - batch["rollout_logp"]).abs()[mask].mean())}
 
-    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> None:
-        """log π_ref of the sampled tokens (at the rollout temperature) for the KL penalty."""
+    def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """log π_ref of the sampled tokens (at the rollout temperature) for the KL penalty; logs
+        kl/rollout_vs_ref, the estimator's mean over response tokens with μ's log-probs."""
+        a = self.cfg.algorithm
         if self.reference is None:
-            return
-        routing = "replay" if self.cfg.algorithm.router_replay == "r3" else None
+            return {}
+        routing = "replay" if a.router_replay == "r3" else None
         ref = self.reference.forward_logprobs(batch, routing=routing, temperature=self.cfg.rollout.temperature)
-        batch["ref_logp"] = torch.where(batch["loss_mask"] > 0, ref, torch.zeros_like(ref))
+        mask = batch["loss_mask"] > 0
+        batch["ref_logp"] = torch.where(mask, ref, torch.zeros_like(ref))
+        kl = get("kl", a.kl_estimator)(batch["rollout_logp"].double(), batch["ref_logp"].double())
+        return {"kl/rollout_vs_ref": float(kl[mask].mean())}
+
+    def train_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The critic's value-loss steps: one per mini-batch and epoch, as the policy's."""
+        a = self.cfg.algorithm
+        keep = ("input_ids", "returns", "old_values", "loss_mask")
+        sums: dict[str, float] = {}
+        n = 0
+        for _ in range(a.epochs):
+            for mb in batching.mini_batches({k: batch[k] for k in keep}, a.mini_batches):
+                mb["response_mask"] = mb.pop("loss_mask")
+                out = self.critic.train_step(mb)
+                bad = nonfinite({k: v for k, v in out.items() if k != "explained_variance"})
+                if bad:
+                    raise TrainingError(f"step {self.step}: critic non-finite {', '.join(bad)}")
+                for k, v in out.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n += 1
+        return {f"critic/{k}": v / n for k, v in sums.items()}
 
     def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm
@@ -306,7 +449,8 @@ class Trainer:
     def save(self) -> Optional[Path]:
         state = {"step": self.step, "weight_version": self.weight_version,
                  "prompts": self.prompts.state_dict()}
-        return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+        return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints,
+                               others=self._others())
 
     def close(self) -> None:
         if self.rollouts is not None:

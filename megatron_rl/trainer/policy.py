@@ -64,7 +64,8 @@ class PolicyLoss:
             agg_mode=a.agg_mode, max_response_length=self.max_len, loss_kwargs=kwargs,
             old_logp=mb.get("old_logp"), divergence=ps.divergence(a.divergence) if divs else None,
             entropy=ps.entropy, entropy_coef=a.entropy_coef,
-            ref_logp=mb.get("ref_logp"), kl_estimator=a.kl_estimator, kl_coef=a.kl_coef,
+            ref_logp=mb.get("ref_logp"), kl_estimator=a.kl_estimator,
+            kl_coef=0.0 if a.kl_in_reward else a.kl_coef,  # in the rewards instead (trainer/loop.py)
             correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
         return loss, {}

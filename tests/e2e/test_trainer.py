@@ -11,6 +11,7 @@ starts by pushing its learner's weights, so the server always serves the run's o
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -45,15 +46,15 @@ def server_url(tmp_path_factory):
         yield mgr.urls()[0]
 
 
-def cli(out_dir: Path, url: str, *overrides: str, small: bool = True) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={out_dir}",
+def cli(out_dir: Path, url: str, *overrides: str, small: bool = True, recipe: str = "tiny_cpu") -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.cli", "train", recipe, f"trainer.out_dir={out_dir}",
             f"rollout.server_urls=[{url}]", *(SMALL if small else SMALL[-2:]), *overrides]
 
 
-def run(out_dir: Path, url: str, *overrides: str, small: bool = True,
+def run(out_dir: Path, url: str, *overrides: str, small: bool = True, recipe: str = "tiny_cpu",
         timeout: float = 900) -> subprocess.CompletedProcess:
-    out = subprocess.run(cli(out_dir, url, *overrides, small=small), capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(cli(out_dir, url, *overrides, small=small, recipe=recipe), capture_output=True,
+                         text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
 
@@ -224,3 +225,54 @@ def test_kl_to_reference_through_the_loop(server_url, tmp_path):
     for r in rows:
         assert r["loss/total"] == pytest.approx(
             r["loss/pg"] + 0.1 * r["loss/kl"] - 0.01 * r["loss/entropy"], rel=1e-5, abs=1e-9)
+
+
+def test_ppo_gae_four_models_learn(server_url, tmp_path):
+    """recipes/ppo_gae_tiny_cpu.yaml (policy, critic + GAE, reward model, reference; KL in the
+    rewards), the recipe's batch, fewer steps: the task reward rises; the critic's fresh head starts
+    off and its error falls to the returns' own variance (one-token answers: V = V(prompt), and a
+    policy equally unsure of every prompt leaves nothing to explain beyond the mean, EV ~ 0); the
+    logged KL follows the estimator (k1) and enters the rewards as configured."""
+    out = tmp_path / "ppo"
+    run(out, server_url, "trainer.steps=20", "eval.num_prompts=0", small=False, recipe="ppo_gae_tiny_cpu")
+    rows = [r for r in read_metrics(out) if r["step"] >= 0]
+    acc = [r["rollout/accuracy"] for r in rows]
+    ev = [r["critic/explained_variance"] for r in rows]
+    print("train accuracy per step:", " ".join(f"{a:.3f}" for a in acc))
+    print("critic explained variance:", " ".join(f"{e:.3f}" for e in ev))
+    print("critic value mse:", " ".join(f"{r['critic/value_mse']:.4f}" for r in rows))
+    assert acc[0] <= 0.05 and sum(acc[-5:]) / 5 >= 0.06, acc
+    assert ev[0] < -0.2, ev  # the fresh value head is off by more than the returns' spread
+    assert all(e > -0.05 for e in ev[2:]), ev
+    bias = [abs(r["critic/values_mean"] - r["critic/returns_mean"]) for r in rows[-5:]]
+    assert max(bias) < 0.04, bias  # a critic stuck at 0 would be off by the accuracy (> 0.06)
+    for r in rows:
+        assert {"time/reward_model", "time/values", "time/train_critic", "time/ref_logp"} <= r.keys()
+        # Whitened reward-model scores have mean 0: the combined mean is the rule reward's.
+        assert r["reward/total_mean"] == pytest.approx(r["reward/rule_mean"], abs=1e-6)
+        assert r["reward/rule_mean"] == pytest.approx(r["rollout/reward_mean"], abs=1e-6)
+        assert r["reward/model_std"] > 0
+        # One-token responses: the per-sequence KL penalty is coef · the token-mean k1.
+        assert r["reward/with_kl_penalty_mean"] == pytest.approx(
+            r["reward/total_mean"] - 0.01 * r["kl/rollout_vs_ref"], rel=1e-5, abs=1e-7)
+        assert "loss/kl" not in r  # the penalty is in the rewards, not the loss
+    assert abs(rows[0]["kl/rollout_vs_ref"]) < 1e-5  # step 0: the policy is the reference
+    assert abs(rows[-1]["kl/rollout_vs_ref"]) > 1e-3
+    assert (out / "checkpoints" / "step_00000020" / "critic" / "metadata.json").exists()
+
+
+def test_ppo_gae_exact_resume(server_url, tmp_path):
+    """The critic's weights, optimizer and LR schedule are checkpointed with the policy: 3 steps
+    straight == 2 steps, then resume for the third, on every metric."""
+    ppo = dict(recipe="ppo_gae_tiny_cpu")
+    run(tmp_path / "straight", server_url, "trainer.steps=3", **ppo)
+    run(tmp_path / "resumed", server_url, "trainer.steps=2", **ppo)
+    out = run(tmp_path / "resumed", server_url, "trainer.steps=3", **ppo)
+    assert "at step 2" in out.stdout
+    a, b = stable(read_metrics(tmp_path / "straight")), stable(read_metrics(tmp_path / "resumed"))
+    assert [r["step"] for r in b] == [0, 1, 2]
+    assert any(k.startswith("critic/") for k in a[2])
+    for ra, rb in zip(a, b):
+        diff = {k: (ra.get(k), rb.get(k)) for k in ra.keys() | rb.keys()
+                if ra.get(k) != rb.get(k) and not (math.isnan(ra.get(k, 0.0)) and math.isnan(rb.get(k, 0.0)))}
+        assert not diff, f"step {ra['step']}: {diff}"

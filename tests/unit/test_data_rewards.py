@@ -116,9 +116,10 @@ def test_math_reward_uses_math_verify():
 
 
 def test_unknown_reward_lists_valid_names():
-    assert {"math", "synthetic"} <= set(reward_names())
-    with pytest.raises(ValueError, match="unknown reward 'maths'; valid rewards: math, synthetic"):
+    assert {"math", "synthetic", "none"} <= set(reward_names())
+    with pytest.raises(ValueError, match="unknown reward 'maths'; valid rewards: math, none, synthetic"):
         get_reward("maths")
+    assert get_reward("none")("anything", "") == 0.0
 
 
 def test_balanced_answers_are_uniform_and_problems_uniform_within_an_answer():
@@ -138,3 +139,20 @@ def test_balanced_answers_are_uniform_and_problems_uniform_within_an_answer():
     # balanced sums with a cap: answers 0..9 of two-digit-operand sums
     sums = Counter(p.answer for p in make_problems(5000, seed=1, max_answer=9, balance_answers=True))
     assert sorted(sums) == [str(k) for k in range(10)] and min(sums.values()) > 350
+
+
+def test_prompts_without_answers_for_reward_model_only_training(tmp_path):
+    """answer_field: null (RLHF prompt sets): rows need no ground truth; a bad prompt still names
+    file, row and field."""
+    import json
+
+    from megatron_rl.data.datasets import DataError, load_prompts
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "Write a haiku."}]}) + "\n"
+                 + json.dumps({"prompt": "not a list"}) + "\n")
+    with pytest.raises(DataError, match=rf"{f}: row 2.*'prompt'"):
+        load_prompts(f, answer_field=None)
+    f.write_text(json.dumps({"prompt": [{"role": "user", "content": "Write a haiku."}]}) + "\n")
+    (ex,) = load_prompts(f, answer_field=None)
+    assert ex.answer == "" and ex.messages[0]["content"] == "Write a haiku."

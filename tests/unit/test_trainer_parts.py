@@ -98,7 +98,10 @@ def paper_inputs(tmp_path_factory):
     (root / "data").mkdir()
     for name in ("dapo-math-17k", "aime-2024", "aime-2025"):
         pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
-    for name in ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B", "Qwen3-8B-Base"):
+    pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows]),
+                   root / "data" / "ultrafeedback-prompts.parquet")
+    for name in ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B", "Qwen3-8B-Base", "Qwen3-4B-Instruct-2507",
+                 "Skywork-Reward-V2-Qwen3-4B"):
         (root / "models" / name).mkdir(parents=True)
         (root / "models" / name / "config.json").write_text("{}")
     return root
@@ -118,16 +121,22 @@ def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
     job = to_object(load_config(recipe))
     assert f"hardware: {job.hardware}" in out  # every recipe names what it is meant for
     if job.data.source == "files":
-        assert "data: 5 training prompts, 10 eval prompts" in out
+        assert f"data: 5 training prompts, {10 if job.data.eval_files else 0} eval prompts" in out
     if job.parallel.world_size:
         assert f"layout for world size {job.parallel.world_size}:" in out
 
 
 def test_paper_recipes_keep_the_papers_settings():
-    """DPPO Table 1 in every GPU recipe; the trust-region constants of the named method."""
+    """DPPO Table 1 in every GPU math recipe; the trust-region constants of the named method. The
+    RLHF recipe (the paper's reward-model experiment): the reward model is the only reward."""
     for recipe in available_recipes():
         job = to_object(load_config(recipe))
         if "cpu" in job.hardware:
+            continue
+        if "rlhf" in recipe:
+            rm = job.reward_model
+            assert rm.enabled and rm.hf_path and rm.rule_weight == 0.0 and job.data.reward == "none", recipe
+            assert job.algorithm.policy_loss == "dppo" and job.algorithm.loss_kwargs["delta"] == 0.2, recipe
             continue
         r, a, e = job.rollout, job.algorithm, job.eval
         assert (r.prompts_per_step, r.n_samples, r.temperature, job.optim.lr) == (256, 16, 1.0, 1e-6), recipe
@@ -192,3 +201,85 @@ def test_validate_rejects_inconsistent_algorithm():
         validate(job)
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config("tiny_cpu", ["algorithm.delta=0.2"])
+
+
+def test_reward_model_reads_prompt_and_response_tokens():
+    """The attention mask handed to the reward model covers exactly prompt + response (build_batch
+    layout), so it pools at the last response token."""
+    from megatron_rl.rewards.model_rewards import sequence_attention_mask
+
+    recs = [record([5, 6, 7], [8, 9], [-1.0, -2.0]), record([5, 6], [8, 9, 10, 11], [-1.0] * 4, i=1),
+            record([5, 6, 7, 8, 9], [10], [-1.0], i=2)]
+    b = batching.build_batch(recs, [0.0, 1.0, 0.0], pad_id=0, with_topk=False, with_routes=False)
+    mask = sequence_attention_mask(b["loss_mask"])
+    assert mask.sum(1).tolist() == [5, 6, 6]
+    for i, r in enumerate(recs):
+        n = r.prompt_ids.numel() + r.response_ids.numel()
+        assert torch.equal(b["input_ids"][i, :n][mask[i, :n].bool()], torch.cat([r.prompt_ids, r.response_ids]))
+    with pytest.raises(ValueError, match=r"rows \[1\] have no response token"):
+        sequence_attention_mask(torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_reward_model_scores_combine_with_rule_rewards():
+    from megatron_rl.rewards.model_rewards import combine_rewards
+
+    g = torch.Generator().manual_seed(0)
+    rule, scores = (torch.rand(16, generator=g) > 0.5).float(), 3.0 * torch.randn(16, generator=g) + 1.0
+    out, m = combine_rewards(rule, scores, weight=0.5, rule_weight=2.0)
+    torch.testing.assert_close(out.double(), 2.0 * rule.double() + 0.5 * scores.double())
+    out, m = combine_rewards(rule, scores, weight=0.5, rule_weight=1.0, normalize="batch", clip=1.0)
+    s = scores.double()
+    z = ((s - s.mean()) / s.std(unbiased=False)).clamp(-1.0, 1.0)
+    torch.testing.assert_close(out.double(), rule.double() + 0.5 * z, rtol=1e-6, atol=1e-6)
+    assert m["reward/model_mean"] == pytest.approx(float(s.mean()))
+    assert m["reward/total_mean"] == pytest.approx(float(out.double().mean()), rel=1e-6)
+    with pytest.raises(ValueError, match="valid: none, batch"):
+        combine_rewards(rule, scores, weight=1.0, rule_weight=1.0, normalize="running")
+
+
+def test_gae_with_kl_in_reward_matches_float64_reference():
+    """The trainer's advantage stage with a critic: per-token rewards = outcome on the last response
+    token − coef·k1(μ, π_ref) on every response token, then GAE over the critic's values."""
+    from types import SimpleNamespace
+
+    from megatron_rl.trainer.loop import Trainer
+
+    job = to_object(load_config("ppo_gae_tiny_cpu", ["algorithm.advantage_kwargs.gamma=0.9", "algorithm.advantage_kwargs.lam=0.8",
+                                                       "+algorithm.advantage_kwargs.whiten=false"]))
+    g = torch.Generator().manual_seed(0)
+    recs = [record([5, 6, 7], [8, 9, 4], torch.randn(3, generator=g).tolist()),
+            record([5, 6], [8], torch.randn(1, generator=g).tolist(), i=1)]
+    b = batching.build_batch(recs, [1.0, 0.5], pad_id=0, with_topk=False, with_routes=False)
+    b["ref_logp"] = torch.randn(b["loss_mask"].shape, generator=g) * b["loss_mask"]
+    b["old_values"] = torch.randn(b["loss_mask"].shape, generator=g)
+    metrics = Trainer.compute_advantages(SimpleNamespace(cfg=job), b)
+    coef, gamma, lam = 0.01, 0.9, 0.8
+    for i, r in enumerate(recs):
+        P, T = r.prompt_ids.numel(), r.response_ids.numel()
+        pos = list(range(P - 1, P - 1 + T))
+        mu, ref, v = (b[k][i, pos].double() for k in ("rollout_logp", "ref_logp", "old_values"))
+        rew = -coef * (mu - ref)
+        rew[-1] += b["rewards"][i].double()
+        adv, nxt_v, nxt_a = torch.zeros(T, dtype=torch.float64), 0.0, 0.0
+        for t in reversed(range(T)):
+            delta = rew[t] + gamma * nxt_v - v[t]
+            nxt_a = delta + gamma * lam * nxt_a
+            adv[t], nxt_v = nxt_a, v[t]
+        torch.testing.assert_close(b["advantages"][i, pos].double(), adv, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b["returns"][i, pos].double(), adv + v, rtol=1e-5, atol=1e-6)
+    assert set(metrics) == {"reward/with_kl_penalty_mean"}
+
+
+def test_validate_rejects_inconsistent_ppo_settings():
+    from megatron_rl.trainer.loop import validate
+
+    with pytest.raises(ValueError, match=r"advantage_kwargs.lamda .* valid: gamma, lam, whiten"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["+algorithm.advantage_kwargs.lamda=0.9"])))
+    with pytest.raises(ValueError, match="kl_in_reward=true needs algorithm.kl_coef > 0"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["algorithm.kl_coef=0"])))
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["rollout.dynamic_sampling=true"])))
+    with pytest.raises(ValueError, match="valid: none, batch"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["reward_model.normalize=running"])))
+    with pytest.raises(ValueError, match="value_loss"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["critic.value_loss=huber"])))
