@@ -244,8 +244,9 @@ def test_ppo_gae_four_models_learn(server_url, tmp_path):
     assert acc[0] <= 0.05 and sum(acc[-5:]) / 5 >= 0.06, acc
     assert ev[0] < -0.2, ev  # the fresh value head is off by more than the returns' spread
     assert all(e > -0.05 for e in ev[2:]), ev
-    bias = [abs(r["critic/values_mean"] - r["critic/returns_mean"]) for r in rows[-5:]]
-    assert max(bias) < 0.04, bias  # a critic stuck at 0 would be off by the accuracy (> 0.06)
+    # Values lag the returns by a step (the critic trains after predicting); the accuracy may jump.
+    bias = sorted(abs(r["critic/values_mean"] - r["critic/returns_mean"]) for r in rows[-5:])
+    assert bias[2] < 0.03, bias  # median; a critic stuck at 0 would be off by the accuracy (> 0.06)
     for r in rows:
         assert {"time/reward_model", "time/values", "time/train_critic", "time/ref_logp"} <= r.keys()
         # Whitened reward-model scores have mean 0: the combined mean is the rule reward's.
@@ -265,9 +266,10 @@ def test_ppo_gae_exact_resume(server_url, tmp_path):
     """The critic's weights, optimizer and LR schedule are checkpointed with the policy: 3 steps
     straight == 2 steps, then resume for the third, on every metric."""
     ppo = dict(recipe="ppo_gae_tiny_cpu")
-    run(tmp_path / "straight", server_url, "trainer.steps=3", **ppo)
-    run(tmp_path / "resumed", server_url, "trainer.steps=2", **ppo)
-    out = run(tmp_path / "resumed", server_url, "trainer.steps=3", **ppo)
+    no_eval = "eval.num_prompts=0"  # a run evaluates at its last step: the 2-step run's would differ
+    run(tmp_path / "straight", server_url, "trainer.steps=3", no_eval, **ppo)
+    run(tmp_path / "resumed", server_url, "trainer.steps=2", no_eval, **ppo)
+    out = run(tmp_path / "resumed", server_url, "trainer.steps=3", no_eval, **ppo)
     assert "at step 2" in out.stdout
     a, b = stable(read_metrics(tmp_path / "straight")), stable(read_metrics(tmp_path / "resumed"))
     assert [r["step"] for r in b] == [0, 1, 2]
