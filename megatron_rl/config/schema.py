@@ -189,11 +189,18 @@ class CriticConfig:
 
 @dataclass
 class RewardModelConfig:
-    """A learned (Bradley–Terry) reward model scoring prompt+response, forward-only on Megatron-Core
-    with the policy's layout. It must share the policy's tokenizer (token ids are passed as is)."""
+    """A learned (Bradley–Terry) reward model scoring prompt+response: forward-only on Megatron-Core
+    with the policy's layout, or served by SGLang (large models, own GPUs). It must share the
+    policy's tokenizer (token ids are passed as is)."""
 
     enabled: bool = False  # score every response with the reward model
+    backend: str = "megatron"  # megatron (in the learner processes) | sglang (reward-model servers, /classify)
     hf_path: Optional[str] = None  # *ForSequenceClassification checkpoint; None = build `tiny` in the run dir
+    server_urls: list[str] = field(default_factory=list)  # sglang: running servers; empty = rank 0 launches num_servers
+    num_servers: int = 1  # sglang: servers rank 0 launches (rollout.device / dtype)
+    server_tp: int = 1  # sglang: tensor-parallel size of each server
+    max_total_tokens: Optional[int] = None  # sglang: token cap per server (keeps CPU servers small)
+    mem_fraction_static: Optional[float] = None  # sglang: GPU memory share of each server
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when hf_path is None (dense fields only)
     weight: float = 1.0  # reward = rule_weight · rule reward + weight · (normalised) model score
     rule_weight: float = 1.0  # 0: the reward model alone

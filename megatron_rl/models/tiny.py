@@ -124,16 +124,17 @@ def make_tiny_checkpoint(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF initialises RMSNorm weights to 1; perturb them so a mapping error on a norm is visible.
-    # HF also zeroes the pad token's embedding row. A random model samples the pad token like any
-    # other, and a zero row meets the first RMSNorm at |x| ≈ 0, whose gradient is 1/sqrt(eps)
-    # (1000x) larger: one sampled pad token then dominated the gradient norm (seen: 3e4, so grad
-    # clipping shrank every other gradient by that factor). Every row gets a random vector.
     with torch.no_grad():
-        embed = model.get_input_embeddings().weight
-        embed[config.pad_token_id].normal_(0.0, init_std)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn_like(p))
+        # HF also zeroes the pad token's embedding row. A random model samples the pad token like
+        # any other, and a zero row meets the first RMSNorm at |x| ≈ 0, whose gradient is
+        # 1/sqrt(eps) (1000x) larger: one sampled pad token then dominated the gradient norm (seen:
+        # 3e4, so grad clipping shrank every other gradient by that factor). The row gets a random
+        # vector (drawn last: every other weight is as before).
+        embed = model.get_input_embeddings().weight
+        embed[config.pad_token_id].normal_(0.0, init_std)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -17,6 +17,10 @@ key is ever produced twice — whatever happens to the servers:
 After `max_attempts` failed attempts on one key the whole call raises `RolloutError` naming the
 key, the servers tried and the errors. Every retry is logged and kept in `retry_events`.
 
+`RolloutClient.classify(sequences)` scores token-id sequences on servers of a reward model
+(sequence classification, SGLang `--is-embedding`, route `/classify`), in chunks that are retried
+on another server in the same way; scores come back in input order, one per sequence.
+
 Seeds: with `SamplingParams.seed = s`, sample (i, j) is sent with SGLang's `sampling_seed =
 s + i·n + j`, whichever server serves it (SGLang honours it only when the server runs with
 `--enable-deterministic-inference`).
@@ -36,7 +40,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
@@ -328,23 +332,26 @@ class RolloutClient:
             delay = min(2 * delay, self.backoff_max)
 
     # --- generation -------------------------------------------------------------------------
-    async def _attempt(self, url: str, payload: dict) -> dict:
+    async def _attempt(self, url: str, payload: dict, route: str = "/generate") -> Any:
         api = self.server(url)
         try:
-            out = await api.generate(payload, timeout=self.request_timeout)
+            out = await api.post(route, payload, timeout=self.request_timeout)
         except SGLangHTTPError as e:
             if e.status >= 500:
                 raise _Retryable(f"HTTP {e.status}: {e.body[:200]}", server_down=True) from e
             raise
         except asyncio.TimeoutError as e:
             # The server may still be working on it: abort that attempt there, best effort.
-            try:
-                await asyncio.wait_for(api.abort_request(payload["rid"]), 5.0)
-            except Exception:
-                pass
+            if "rid" in payload:
+                try:
+                    await asyncio.wait_for(api.abort_request(payload["rid"]), 5.0)
+                except Exception:
+                    pass
             raise _Retryable(f"no answer within {self.request_timeout:.0f}s", server_down=True) from e
         except _CONNECTION_ERRORS as e:
             raise _Retryable(f"{type(e).__name__}: {e}", server_down=True) from e
+        if route != "/generate":
+            return out
         if isinstance(out, list):
             out = out[0]
         fr = out.get("meta_info", {}).get("finish_reason")
@@ -354,15 +361,35 @@ class RolloutClient:
             raise _Retryable(f"aborted by the server ({fr})", server_down=False)
         return out
 
-    async def _sample(self, batch: str, i: int, j: int, prompt: list[int], payload_base: dict,
-                      sampling: SamplingParams, n: int, top_k: int, routed: bool,
-                      sem: dict[str, asyncio.Semaphore]) -> RolloutRecord:
-        seed = None if sampling.seed is None else sampling.seed + i * n + j
+    async def _retrying(self, what: str, i: int, j: int, call: Callable[[str, int], Awaitable[Any]]) -> Any:
+        """`call(url, attempt)` on a server picked per attempt until one succeeds; a retryable
+        failure marks its server down (if it is) and moves to another. `i`, `j` label the
+        RetryEvents."""
         errors: list[str] = []
         url = None
         delay = self.backoff_initial
         for attempt in range(self.max_attempts):
             url = await self._pick(avoid=url if errors else None)
+            try:
+                return await call(url, attempt)
+            except _Retryable as e:
+                errors.append(f"{url}: {e}")
+                if e.server_down and url not in self._down:
+                    self._down[url] = time.monotonic()
+                    logger.error("server %s failed (%s); marking it down", url, e)
+                self.retry_events.append(RetryEvent(i, j, attempt, url, str(e), time.time()))
+                logger.warning("%s attempt %d on %s failed: %s; retrying", what, attempt, url, e)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.backoff_max)
+        raise RolloutError(f"{what} failed {self.max_attempts} times; nothing was returned for it. "
+                           f"Errors: " + " | ".join(errors))
+
+    async def _sample(self, batch: str, i: int, j: int, prompt: list[int], payload_base: dict,
+                      sampling: SamplingParams, n: int, top_k: int, routed: bool,
+                      sem: dict[str, asyncio.Semaphore]) -> RolloutRecord:
+        seed = None if sampling.seed is None else sampling.seed + i * n + j
+
+        async def call(url: str, attempt: int) -> dict:
             rid = f"{batch}-{i}-{j}-a{attempt}"
             payload = dict(payload_base, input_ids=prompt, rid=rid,
                            sampling_params=sampling.to_sglang(seed))
@@ -370,25 +397,35 @@ class RolloutClient:
             async with sem[url]:
                 self._inflight.setdefault(url, {})[rid] = (i, j)
                 try:
-                    out = await self._attempt(url, payload)
-                except _Retryable as e:
-                    errors.append(f"{url}: {e}")
-                    if e.server_down and url not in self._down:
-                        self._down[url] = time.monotonic()
-                        logger.error("server %s failed (%s); marking it down", url, e)
-                    self.retry_events.append(RetryEvent(i, j, attempt, url, str(e), time.time()))
-                    logger.warning("sample (prompt %d, sample %d) attempt %d on %s failed: %s; "
-                                   "retrying", i, j, attempt, url, e)
-                    await asyncio.sleep(delay)
-                    delay = min(2 * delay, self.backoff_max)
-                    continue
+                    return await self._attempt(url, payload)
                 finally:
                     self._inflight[url].pop(rid, None)
-            return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
-                                      temperature=sampling.temperature, top_k=top_k,
-                                      moe_topk=self.moe_topk if routed else None)
-        raise RolloutError(f"sample (prompt {i}, sample {j}) failed {self.max_attempts} times; "
-                           f"nothing was returned for it. Errors: " + " | ".join(errors))
+
+        out = await self._retrying(f"sample (prompt {i}, sample {j})", i, j, call)
+        return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
+                                  temperature=sampling.temperature, top_k=top_k,
+                                  moe_topk=self.moe_topk if routed else None)
+
+    async def classify(self, sequences: Sequence[Sequence[int]], chunk: int = 64) -> list[float]:
+        """Reward-model scores of token-id sequences from servers of a sequence-classification
+        model (SGLang `--is-embedding`, route /classify): the first label's score per sequence, in
+        order. Sent in chunks of `chunk` sequences, each retried on another server on failure."""
+        async def one(k: int, part: list[list[int]]) -> list[float]:
+            async def call(url: str, attempt: int) -> list[float]:
+                out = await self._attempt(url, {"input_ids": part}, route="/classify")
+                out = out if isinstance(out, list) else [out]
+                if len(out) != len(part) or not all("embedding" in o for o in out):
+                    raise RolloutError(f"/classify on {url} answered {len(out)} items for {len(part)} "
+                                       f"sequences (is it serving a sequence-classification model "
+                                       f"with --is-embedding?)")
+                return [float(o["embedding"][0]) for o in out]
+
+            return await self._retrying(f"reward scores (chunk {k})", k, -1, call)
+
+        seqs = [list(map(int, s)) for s in sequences]
+        parts = [seqs[a:a + chunk] for a in range(0, len(seqs), chunk)]
+        results = await asyncio.gather(*(one(k, p) for k, p in enumerate(parts)))
+        return [x for r in results for x in r]
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
                        n: int = 1, top_k_logprobs: int = 0,

@@ -3,7 +3,8 @@
     python -m megatron_rl.rollout.launch_server --model-path CKPT --device cpu --dtype float32 ...
 
 takes SGLang's own server arguments and runs SGLang's HTTP server entry point
-(`sglang.launch_server`) with them. With `--device cpu` it first applies `patches.sglang_cpu`.
+(`sglang.launch_server`) with them. It applies `patches.sglang_fixes` (every device) and, with
+`--device cpu`, first `patches.sglang_cpu`.
 
 Why a launcher module: SGLang runs its scheduler and detokenizer in children started with
 multiprocessing's *spawn*, which re-imports the parent's `__main__` module (as `__mp_main__`)
@@ -29,11 +30,15 @@ def _device(argv: list[str]) -> str | None:
 
 
 def apply_patches() -> None:
-    """Apply the SGLang patches this process needs (CPU serving only; nothing on GPU)."""
+    """Apply the SGLang patches this process needs: the CPU layer when serving on CPU, then the
+    fixes every server needs."""
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
         from patches import sglang_cpu
 
         sglang_cpu.apply()
+    from patches import sglang_fixes
+
+    sglang_fixes.apply()
 
 
 if __name__ == "__main__" and _device(sys.argv[1:]) == "cpu":

@@ -104,6 +104,8 @@ def validate(cfg: JobConfig) -> None:
     if rm.enabled:
         from megatron_rl.rewards.model_rewards import NORMALIZE
 
+        if rm.backend not in ("megatron", "sglang"):
+            raise ValueError(f"reward_model.backend={rm.backend!r}; valid: megatron, sglang")
         if rm.normalize not in NORMALIZE:
             raise ValueError(f"reward_model.normalize={rm.normalize!r}; valid: {', '.join(NORMALIZE)}")
         if r.dynamic_sampling:
@@ -175,12 +177,17 @@ class Trainer:
 
     def _build_reward_model(self):
         from megatron_rl.learner.reward_model import RewardModel
+        from megatron_rl.rewards.served import ServedRewardModel
 
         rm = self.cfg.reward_model
-        cfg = copy.deepcopy(self.cfg)
-        cfg.model.hf_path = rm.hf_path or str(self._tiny_reward_checkpoint())
-        model = RewardModel(cfg, self.ctx, run_dir=str(self.out_dir))
-        if model.vocab_size != self.learner.vocab_size:
+        if rm.backend == "sglang":
+            path = Path(rm.hf_path) if rm.hf_path else None if rm.server_urls else self._tiny_reward_checkpoint()
+            model = ServedRewardModel(self.cfg, self.ctx, self.out_dir, path)
+        else:
+            cfg = copy.deepcopy(self.cfg)
+            cfg.model.hf_path = rm.hf_path or str(self._tiny_reward_checkpoint())
+            model = RewardModel(cfg, self.ctx, run_dir=str(self.out_dir))
+        if model.vocab_size is not None and model.vocab_size != self.learner.vocab_size:
             raise ValueError(f"reward model {model.hf_path} has vocabulary {model.vocab_size}, the policy "
                              f"{self.learner.vocab_size}: the reward model must share the policy's tokenizer")
         return model
@@ -455,6 +462,8 @@ class Trainer:
     def close(self) -> None:
         if self.rollouts is not None:
             self.rollouts.close()
+        if hasattr(self.reward_model, "close"):
+            self.reward_model.close()
         self.logger.close()
         if self.ctx.rank == 0 and self.cfg.trainer.plot and self.history:
             from megatron_rl.trainer.plot import plot_run

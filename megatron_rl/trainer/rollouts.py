@@ -32,7 +32,12 @@ from megatron_rl.weights.endpoint import ServerEndpoint
 from megatron_rl.weights.push import push_weights
 
 
-def _server_dtype(cfg: JobConfig) -> str:
+def server_device(cfg: JobConfig) -> str:
+    r = cfg.rollout
+    return r.device if r.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def server_dtype(cfg: JobConfig) -> str:
     if cfg.rollout.dtype != "auto":
         return cfg.rollout.dtype
     from megatron_rl.models.bridge import resolve_dtype
@@ -57,9 +62,8 @@ class Rollouts:
         if not urls:
             from megatron_rl.rollout.server import EngineManager, ServerConfig
 
-            device = r.device if r.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             self.manager = EngineManager(
-                ServerConfig(model_path=str(hf_path), device=device, dtype=_server_dtype(cfg),
+                ServerConfig(model_path=str(hf_path), device=server_device(cfg), dtype=server_dtype(cfg),
                              tp_size=r.server_tp, max_total_tokens=r.max_total_tokens,
                              mem_fraction_static=r.mem_fraction_static,
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",

@@ -278,3 +278,17 @@ def test_ppo_gae_exact_resume(server_url, tmp_path):
         diff = {k: (ra.get(k), rb.get(k)) for k in ra.keys() | rb.keys()
                 if ra.get(k) != rb.get(k) and not (math.isnan(ra.get(k, 0.0)) and math.isnan(rb.get(k, 0.0)))}
         assert not diff, f"step {ra['step']}: {diff}"
+
+
+def test_served_reward_model_scores_as_the_megatron_one_in_the_loop(server_url, tmp_path):
+    """reward_model.backend=sglang (rank 0 launches an --is-embedding server of the same tiny
+    reward model) and the Megatron reward model score the same seeded step-0 responses alike."""
+    runs = {}
+    for backend in ("megatron", "sglang"):
+        run(tmp_path / backend, server_url, "trainer.steps=1", "eval.num_prompts=0",
+            f"reward_model.backend={backend}", "reward_model.max_total_tokens=4096", recipe="ppo_gae_tiny_cpu")
+        (runs[backend],) = [r for r in read_metrics(tmp_path / backend) if r["step"] >= 0]
+    assert (tmp_path / "sglang" / "reward_server_logs").is_dir()
+    assert runs["megatron"]["rollout/reward_mean"] == runs["sglang"]["rollout/reward_mean"]
+    for k in ("reward/model_mean", "reward/model_std"):
+        assert runs["sglang"][k] == pytest.approx(runs["megatron"][k], abs=1e-5), k

@@ -1,4 +1,5 @@
-"""patches/sglang_cpu.py: refuses unexpected versions; applies to the installed sglang 0.5.23."""
+"""patches/sglang_cpu.py and patches/sglang_fixes.py: refuse unexpected versions; apply to the
+installed sglang 0.5.23. (The score-head fix is shown at work in tests/e2e/test_served_reward_model.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from patches import sglang_cpu
+from patches import sglang_cpu, sglang_fixes
 from patches._guard import UnsupportedVersionError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,6 +21,11 @@ def test_refuses_unexpected_sglang():
         sglang_cpu.apply(version="0.5.99")
     msg = str(err.value)
     assert "sglang" in msg and "0.5.23" in msg and "0.5.99" in msg
+
+
+def test_fixes_refuse_unexpected_sglang():
+    with pytest.raises(UnsupportedVersionError, match="sglang_fixes.*0.5.23.*0.5.99"):
+        sglang_fixes.apply(version="0.5.99")
 
 
 def test_refuses_unexpected_torchvision():
@@ -87,6 +93,14 @@ def test_applies_to_installed_sglang():
         seed, pos = torch.tensor([5, 5, 6], dtype=torch.int64), torch.tensor([2, 2, 2])
         a = sampler.multinomial_with_seed(logp, seed, pos)
         assert torch.equal(a, sampler.multinomial_with_seed(logp, seed, pos))  # same seed, same draw
+        # reward-model score heads built without a bias (as transformers'), applied once
+        from patches import sglang_fixes
+        from sglang.srt.models import qwen2_classification, qwen3_classification
+        sglang_fixes.apply(); sglang_fixes.apply()
+        for cls in (qwen2_classification.Qwen2ForSequenceClassification,
+                    qwen3_classification.Qwen3ForSequenceClassification):
+            assert cls.__init__._megatron_rl_fixed and cls.__init__.__closure__[0].cell_contents.__name__ == "__init__"
+            assert not hasattr(cls.__init__.__closure__[0].cell_contents, "_megatron_rl_fixed")
         print("OK")
         """
     )

@@ -283,3 +283,7 @@ def test_validate_rejects_inconsistent_ppo_settings():
         validate(to_object(load_config("ppo_gae_tiny_cpu", ["reward_model.normalize=running"])))
     with pytest.raises(ValueError, match="value_loss"):
         validate(to_object(load_config("ppo_gae_tiny_cpu", ["critic.value_loss=huber"])))
+    with pytest.raises(ValueError, match="backend='vllm'; valid: megatron, sglang"):
+        validate(to_object(load_config("ppo_gae_tiny_cpu", ["reward_model.backend=vllm"])))
+    with pytest.raises(ValueError, match="data.reward=none .* needs reward_model.enabled"):
+        validate(to_object(load_config("tiny_cpu", ["data.reward=none"])))

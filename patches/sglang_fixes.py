@@ -1,0 +1,39 @@
+"""SGLang fixes every server needs, on CPU and GPU (applied by `megatron_rl.rollout.launch_server`).
+
+- Reward-model score head without a bias. SGLang's Qwen2 / Qwen3 `ForSequenceClassification`
+  build `score = nn.Linear(hidden, num_labels)` with a bias, while transformers' classes (and so
+  every HF checkpoint, e.g. Skywork-Reward-V2) have none. The checkpoint then has no `score.bias`
+  to load, and the bias keeps its random initialisation: every score served is off by one random
+  constant per server start (measured on a tiny reward model: −0.113 on every sequence). The
+  fixed classes build the head without a bias, as transformers does.
+"""
+
+from __future__ import annotations
+
+from patches._guard import require_version
+
+SUPPORTED = ("0.5.23",)
+CLASSIFICATION_MODULES = ("sglang.srt.models.qwen2_classification", "sglang.srt.models.qwen3_classification")
+
+
+def _without_score_bias(init):
+    def __init__(self, config, *args, **kwargs):
+        import torch
+
+        init(self, config, *args, **kwargs)
+        if self.score.bias is not None:
+            w = self.score.weight
+            self.score = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype, device=w.device)
+
+    __init__._megatron_rl_fixed = True
+    return __init__
+
+
+def apply(version: str | None = None) -> None:
+    import importlib
+
+    require_version("sglang", SUPPORTED, "sglang_fixes", version)
+    for name in CLASSIFICATION_MODULES:
+        cls = importlib.import_module(name).EntryClass[0]
+        if not getattr(cls.__init__, "_megatron_rl_fixed", False):
+            cls.__init__ = _without_score_bias(cls.__init__)
