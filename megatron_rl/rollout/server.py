@@ -57,6 +57,10 @@ class ServerConfig:
     """--enable-return-routed-experts (MoE router replay)."""
     enable_memory_saver: bool = False
     """--enable-memory-saver (GPU: release/resume memory around training when colocated)."""
+    sleep_on_idle: bool | None = None
+    """--sleep-on-idle: an idle scheduler waits on its sockets (woken at once by a request)
+    instead of spinning. None: on for CPU servers, whose spinning scheduler otherwise takes about
+    half a core from the learner colocated with it while it trains."""
     host: str = "127.0.0.1"
     """Address the servers listen on."""
     extra_args: tuple[str, ...] = ()
@@ -136,6 +140,8 @@ class SGLangServer:
             cmd.append("--enable-return-routed-experts")
         if c.enable_memory_saver:
             cmd.append("--enable-memory-saver")
+        if c.sleep_on_idle if c.sleep_on_idle is not None else c.device == "cpu":
+            cmd.append("--sleep-on-idle")
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
