@@ -98,9 +98,12 @@ def topk_support(
     """S = {a_t} ∪ topK as ids [..., K + 1] (column 0 = a_t) and a mask [..., K + 1] that keeps
     each id once (its first column) and drops negative ids (padding of a short top-K list)."""
     ids = torch.cat([sampled_ids[..., None], topk_ids], dim=-1).long()
-    J = ids.shape[-1]
-    earlier = torch.ones(J, J, dtype=torch.bool, device=ids.device).tril(-1)  # [j, j'] = j' < j
-    dup = ((ids[..., :, None] == ids[..., None, :]) & earlier).any(-1)
+    # A stable sort puts equal ids next to each other in column order: every one but the first of
+    # a run is a duplicate. O(J log J) per row (the pairwise [.., J, J] compare cost 2-3x more).
+    srt, perm = ids.sort(dim=-1, stable=True)
+    dup_sorted = torch.zeros_like(srt, dtype=torch.bool)
+    torch.eq(srt[..., 1:], srt[..., :-1], out=dup_sorted[..., 1:])
+    dup = torch.empty_like(dup_sorted).scatter_(-1, perm, dup_sorted)
     return ids, (ids >= 0) & ~dup
 
 

@@ -189,6 +189,9 @@ class _LogProbsEntropy(torch.autograd.Function):
             g_logp = torch.zeros(ids_TJ.shape, dtype=acc, device=x2d.device)
         valid = info.valid_ids(ids_TJ)
         g_logp = torch.where(valid, g_logp.to(acc), torch.zeros((), dtype=acc))
+        if ids_TJ.shape[1] > 1 and not bool(g_logp[:, 1:].any()):
+            # Only column 0 carries a gradient (top-K divergences gate without one): scatter 1 id.
+            ids_TJ, g_logp = ids_TJ[:, :1], g_logp[:, :1]
         local, owned = info.local_ids(ids_TJ)
         g_scatter = torch.where(owned, g_logp * alpha, torch.zeros((), dtype=acc))
         g_sum = g_logp.sum(-1) * alpha  # sum_j g_j, pre-multiplied by alpha

@@ -504,3 +504,21 @@ def test_divergence_of_a_distribution_with_itself_is_zero(seed, tp, K):
     for s in run_tp(tp, fn, x):
         for name in vp.DIVERGENCES:  # zero up to all-reduce summation order (see above)
             assert (getattr(s, name) <= 1e-14).all(), name
+
+
+def test_topk_support_keeps_each_id_once_in_column_order():
+    """S = {a_t} ∪ topK: the first column holding an id keeps it (a_t first), padding (< 0) is
+    dropped; against a per-row Python set walk, with many duplicates."""
+    from megatron_rl.vocab_parallel import topk_support
+
+    g = torch.Generator().manual_seed(0)
+    sampled = torch.randint(0, 6, (300,), generator=g)
+    topk = torch.randint(-2, 6, (300, 9), generator=g)
+    ids, keep = topk_support(sampled, topk)
+    for row_ids, row_keep in zip(ids.tolist(), keep.tolist()):
+        seen, want = set(), []
+        for i in row_ids:
+            want.append(i >= 0 and i not in seen)
+            seen.add(i)
+        assert row_keep == want
+    assert torch.equal(ids[:, 0], sampled) and bool(keep[:, 0].all())
