@@ -65,20 +65,27 @@ class Timer:
         return {**self.metrics, "time/step": time.perf_counter() - self.start}
 
 
+def _check_kwargs(field: str, given, kind: str, name: str, tensors: tuple[str, ...],
+                  extra: tuple[str, ...] = ()) -> None:
+    """`algorithm.<field>` may set only keyword-only arguments of the registered `kind` function
+    `name` (the `tensors` among them come from the trainer) and `extra`."""
+    params = inspect.signature(get(kind.replace(" ", "_"), name)).parameters
+    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in tensors)
+    valid += list(extra)
+    for k in given:
+        if k not in valid:
+            raise ValueError(f"algorithm.{field}.{k} is not an argument of {kind} {name!r}; "
+                             f"valid: {', '.join(valid) or '(none)'}")
+
+
 def validate(cfg: JobConfig) -> None:
     """Config checks that need no process group (also run by `dry-run`)."""
     a, r = cfg.algorithm, cfg.rollout
-    loss = get("policy_loss", a.policy_loss)
-    get("advantage", a.advantage)
-    # Keyword-only arguments a recipe may set; the tensors come from the trainer.
-    params = inspect.signature(loss).parameters
-    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY
-                   and k not in ("divergence", "old_logp", "response_mask"))
-    valid += ["entropy_eps"] if a.policy_loss == "aspo" else []
-    for k in a.loss_kwargs:
-        if k not in valid:
-            raise ValueError(f"algorithm.loss_kwargs.{k} is not an argument of policy loss "
-                             f"{a.policy_loss!r}; valid: {', '.join(valid)}")
+    _check_kwargs("loss_kwargs", a.loss_kwargs, "policy loss", a.policy_loss,
+                  tensors=("divergence", "old_logp", "response_mask"),
+                  extra=("entropy_eps",) if a.policy_loss == "aspo" else ())
+    _check_kwargs("advantage_kwargs", a.advantage_kwargs, "advantage", a.advantage,
+                  tensors=("group_ids_B", "values_BT"))
     if a.router_replay not in ("none", "r2", "r3"):
         raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
     if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
@@ -88,14 +95,6 @@ def validate(cfg: JobConfig) -> None:
     get("kl", a.kl_estimator)
     if a.kl_in_reward and not a.kl_coef:
         raise ValueError("algorithm.kl_in_reward=true needs algorithm.kl_coef > 0")
-    estimator = get("advantage", a.advantage)
-    params = inspect.signature(estimator).parameters
-    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY
-                   and k not in ("group_ids_B", "values_BT"))
-    for k in a.advantage_kwargs:
-        if k not in valid:
-            raise ValueError(f"algorithm.advantage_kwargs.{k} is not an argument of advantage "
-                             f"{a.advantage!r}; valid: {', '.join(valid) or '(none)'}")
     if a.advantage == "gae":
         get("value_loss", cfg.critic.value_loss)
     rm = cfg.reward_model
@@ -391,45 +390,44 @@ class Trainer:
 
     def train_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """The critic's value-loss steps: one per mini-batch and epoch, as the policy's."""
+        def step(mb):
+            out = self.critic.train_step({"input_ids": mb["input_ids"], "returns": mb["returns"],
+                                          "old_values": mb["old_values"], "response_mask": mb["loss_mask"]})
+            bad = nonfinite({k: v for k, v in out.items() if k != "explained_variance"})
+            if bad:
+                raise TrainingError(f"step {self.step}: critic non-finite {', '.join(bad)}")
+            return out
+
+        return {f"critic/{k}": v for k, v in self._mini_batch_steps(batch, step)[0].items()}
+
+    def _mini_batch_steps(self, batch: dict[str, torch.Tensor], step) -> tuple[dict[str, float], dict[str, float]]:
+        """`step(mini_batch) -> metrics` on algorithm.mini_batches mini-batches x algorithm.epochs;
+        returns (metrics averaged over the steps, the first step's metrics)."""
         a = self.cfg.algorithm
-        keep = ("input_ids", "returns", "old_values", "loss_mask")
-        sums: dict[str, float] = {}
-        n = 0
-        for _ in range(a.epochs):
-            for mb in batching.mini_batches({k: batch[k] for k in keep}, a.mini_batches):
-                mb["response_mask"] = mb.pop("loss_mask")
-                out = self.critic.train_step(mb)
-                bad = nonfinite({k: v for k, v in out.items() if k != "explained_variance"})
-                if bad:
-                    raise TrainingError(f"step {self.step}: critic non-finite {', '.join(bad)}")
-                for k, v in out.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n += 1
-        return {f"critic/{k}": v / n for k, v in sums.items()}
+        outs = [step(mb) for _ in range(a.epochs) for mb in batching.mini_batches(batch, a.mini_batches)]
+        keys = dict.fromkeys(k for o in outs for k in o)
+        return {k: sum(o.get(k, 0.0) for o in outs) / len(outs) for k in keys}, outs[0]
 
     def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm
         routing = "replay" if a.router_replay != "none" else None
-        sums: dict[str, float] = {}
-        first: dict[str, float] = {}
-        n = 0
-        for _ in range(a.epochs):
-            for mb in batching.mini_batches(batch, a.mini_batches):
-                loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens)
-                out = self.learner.train_step(mb, loss_fn, routing=routing)
-                out |= loss_fn.finish(self.learner)
-                bad = nonfinite(out)
-                if bad:
-                    raise TrainingError(f"step {self.step}: non-finite {', '.join(bad)} "
-                                        f"(loss/total={out.get('loss/total')}, grad_norm={out.get('grad_norm')})")
-                if n == 0 and "abs_logp_diff/mean" in out:
-                    # The first mini-batch runs on exactly the weights the rollouts came from:
-                    # its |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0).
-                    first = {"mismatch/train_vs_rollout_abs_logp": out["abs_logp_diff/mean"]}
-                for k, v in out.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n += 1
-        return {k: v / n for k, v in sums.items()} | first
+
+        def step(mb):
+            loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens)
+            out = self.learner.train_step(mb, loss_fn, routing=routing)
+            out |= loss_fn.finish(self.learner)
+            bad = nonfinite(out)
+            if bad:
+                raise TrainingError(f"step {self.step}: non-finite {', '.join(bad)} "
+                                    f"(loss/total={out.get('loss/total')}, grad_norm={out.get('grad_norm')})")
+            return out
+
+        mean, first = self._mini_batch_steps(batch, step)
+        if "abs_logp_diff/mean" in first:
+            # The first mini-batch runs on exactly the weights the rollouts came from: its
+            # |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0).
+            mean["mismatch/train_vs_rollout_abs_logp"] = first["abs_logp_diff/mean"]
+        return mean
 
     def sync_weights(self) -> dict[str, float]:
         self.weight_version = str(self.step)

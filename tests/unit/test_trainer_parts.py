@@ -270,20 +270,17 @@ def test_gae_with_kl_in_reward_matches_float64_reference():
     assert set(metrics) == {"reward/with_kl_penalty_mean"}
 
 
-def test_validate_rejects_inconsistent_ppo_settings():
+@pytest.mark.parametrize("recipe, override, message", [
+    ("ppo_gae_tiny_cpu", "+algorithm.advantage_kwargs.lamda=0.9", r"advantage_kwargs.lamda .* valid: gamma, lam, whiten"),
+    ("ppo_gae_tiny_cpu", "algorithm.kl_coef=0", "kl_in_reward=true needs algorithm.kl_coef > 0"),
+    ("ppo_gae_tiny_cpu", "rollout.dynamic_sampling=true", "dynamic_sampling"),
+    ("ppo_gae_tiny_cpu", "reward_model.normalize=running", "valid: none, batch"),
+    ("ppo_gae_tiny_cpu", "critic.value_loss=huber", "value_loss"),
+    ("ppo_gae_tiny_cpu", "reward_model.backend=vllm", "backend='vllm'; valid: megatron, sglang"),
+    ("tiny_cpu", "data.reward=none", "data.reward=none .* needs reward_model.enabled"),
+])
+def test_validate_rejects_inconsistent_ppo_settings(recipe, override, message):
     from megatron_rl.trainer.loop import validate
 
-    with pytest.raises(ValueError, match=r"advantage_kwargs.lamda .* valid: gamma, lam, whiten"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["+algorithm.advantage_kwargs.lamda=0.9"])))
-    with pytest.raises(ValueError, match="kl_in_reward=true needs algorithm.kl_coef > 0"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["algorithm.kl_coef=0"])))
-    with pytest.raises(ValueError, match="dynamic_sampling"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["rollout.dynamic_sampling=true"])))
-    with pytest.raises(ValueError, match="valid: none, batch"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["reward_model.normalize=running"])))
-    with pytest.raises(ValueError, match="value_loss"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["critic.value_loss=huber"])))
-    with pytest.raises(ValueError, match="backend='vllm'; valid: megatron, sglang"):
-        validate(to_object(load_config("ppo_gae_tiny_cpu", ["reward_model.backend=vllm"])))
-    with pytest.raises(ValueError, match="data.reward=none .* needs reward_model.enabled"):
-        validate(to_object(load_config("tiny_cpu", ["data.reward=none"])))
+    with pytest.raises(ValueError, match=message):
+        validate(to_object(load_config(recipe, [override])))
