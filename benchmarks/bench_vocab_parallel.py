@@ -3,13 +3,19 @@
 For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per rank:
   (a) log pi(a_t) only                          vocab_parallel_policy_stats, forward + backward
   (b) (a) + binary TV and KL                    same call, divergences=binary_tv, binary_kl
-  (c) (b) + top-K (K=20) TV and KL              same call, all four divergences
+  (c) (b) + top-K (K=20) TV and KL              same call, all four divergences, topk_distinct=True
+                                                (the learner's setting: build_batch checked the
+                                                engine's top-K lists once per step); c_sort: the
+                                                same without it (per-row sorted duplicate search)
   (d) naive reference: all-gather the full vocabulary, log_softmax, then the same quantities
   (e) megatron-core vocab_parallel_cross_entropy (Megatron's TP log-prob), forward + backward
 Times are the minimum over --reps repetitions of the slowest rank (barrier before each run, the
-variants interleaved within each repetition); forward-only times are reported too. Inputs that a
-variant overwrites (inplace_logits, Megatron's fp32 path) are copied outside the timed region. (d) runs forward only under no_grad: with autograd the
-full-vocabulary copies would need ~4x the memory again, and the divergences take no gradient.
+variants interleaved within each repetition); forward-only times are reported too. Ratios are also
+given as the median over repetitions of the ratio within one repetition (neighbouring runs see the
+same machine load). Inputs that a variant overwrites (inplace_logits, Megatron's fp32 path) are
+copied outside the timed region into one buffer that every such variant reuses (same pages for
+all). (d) runs forward only under no_grad: with autograd the full-vocabulary copies would need ~4x
+the memory again, and the divergences take no gradient.
 
 Peak memory: the PyTorch profiler with profile_memory=True records every CPU-allocator
 allocation and free made by torch ops (sizes and timestamps); the running sum of those events gives
@@ -23,7 +29,9 @@ excluded, outputs and the gradient of the logits included). Compared with one fp
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import statistics
 import sys
 import time
 
@@ -49,6 +57,7 @@ VARIANTS = {
     "a_inplace": "log-prob only, inplace_logits",
     "b_inplace": "+ binary TV/KL, inplace_logits",
     "c_inplace": "+ top-K TV/KL, inplace_logits",
+    "c_sort_inplace": "+ top-K TV/KL, inplace_logits, general duplicate search",
     "d": "naive full gather",
     "e": "megatron vocab_parallel_cross_entropy",
 }
@@ -119,22 +128,34 @@ def worker(rank, world, args):
         target = torch.randint(0, v_local * world, (T,), generator=gen)
         rollout_logp = -torch.rand(T, generator=gen) * 5
         topk_ids = torch.randint(0, v_local * world, (T, K), generator=gen)
-        topk_ids[:, 0] = target  # the sampled token is usually in mu's top-K
+        topk_ids[:, 0] = target  # the sampled token is in mu's top-K (RolloutRecord forces it)
+        while True:  # an engine's top-K ids are distinct: redraw the rows that repeat one
+            srt = topk_ids.sort(-1).values
+            bad = (srt[:, 1:] == srt[:, :-1]).any(-1).nonzero()[:, 0]
+            if not len(bad):
+                break
+            topk_ids[bad, 1:] = torch.randint(0, v_local * world, (len(bad), K - 1), generator=gen)
         topk_logp = torch.sort(-torch.rand(T, K, generator=gen) * 8, dim=-1, descending=True)[0]
         grad_out = torch.randn(T, generator=gen)
         divs = {"a": (), "b": ("binary_tv", "binary_kl"),
                 "c": ("binary_tv", "binary_kl", "topk_tv", "topk_kl")}
 
+        work = torch.empty_like(logits)  # the overwritable copy, same pages for every variant
+
+        def fresh_copy():
+            work.copy_(logits)
+            return work.detach()
+
         def ours(key, backward):
             inplace = key.endswith("_inplace")
             # inplace_logits overwrites its input: give it a copy, made outside the timing.
-            x = (logits.detach().clone() if inplace else logits).requires_grad_(backward)
+            x = (fresh_copy() if inplace else logits.detach()).requires_grad_(backward)
 
             def run():
                 s = vocab_parallel_policy_stats(
                     x, target, group, rollout_logp=rollout_logp, topk_ids=topk_ids,
                     topk_logp=topk_logp, divergences=divs[key[0]], chunk_size=args.chunk,
-                    inplace_logits=inplace,
+                    inplace_logits=inplace, topk_distinct="_sort" not in key,
                 )
                 if backward:
                     (s.logp * grad_out).sum().backward()
@@ -142,8 +163,7 @@ def worker(rank, world, args):
             return run
 
         def megatron(backward):
-            x = logits.detach().clone()  # it overwrites fp32 logits in place (outside the timing)
-            x.requires_grad_(backward)
+            x = fresh_copy().requires_grad_(backward)  # it overwrites fp32 logits in place
 
             def run():
                 loss = vocab_parallel_cross_entropy(x[:, None, :], target[:, None])
@@ -153,29 +173,47 @@ def worker(rank, world, args):
 
         row = {"v_local": v_local, "tokens": T, "chunk": args.chunk}
         runs = {}  # (variant, measure) -> factory of a fresh run
-        for key in ("a", "b", "c", "a_inplace", "b_inplace", "c_inplace"):
+        for key in ("a", "b", "c", "a_inplace", "b_inplace", "c_inplace", "c_sort_inplace"):
             runs[key, "fwd"] = lambda key=key: ours(key, False)
             runs[key, "fwd_bwd"] = lambda key=key: ours(key, True)
         if megatron_error is None:
             runs["e", "fwd"] = lambda: megatron(False)
             runs["e", "fwd_bwd"] = lambda: megatron(True)
-        if v_local <= args.naive_max_vocab:
-            runs["d", "fwd"] = lambda: (lambda: _naive(
-                logits, target, rollout_logp, topk_ids, topk_logp, group, world))
         # Repetitions outermost, variants interleaved: load from other processes on a shared
         # machine then hits every variant alike instead of whichever ran during the spike.
-        best = {}
-        for _ in range(args.reps):
-            for name, make in runs.items():
-                best[name] = min(best.get(name, float("inf")), _timed(make, 1, group))
-        for (key, measure), t in best.items():
-            row.setdefault(key, {})[measure] = t
+        times = {name: [] for name in runs}
+        names = list(runs)
+        for rep in range(args.reps):
+            # Each repetition starts one variant later: every variant runs after every other
+            # (the default path's large allocations leave the allocator and page tables in a
+            # state that slows whichever variant comes next).
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                times[name].append(_timed(runs[name], 1, group))
+        if v_local <= args.naive_max_vocab:
+            # Timed apart, a few times: its gigabytes of allocations would disturb the others,
+            # and its ratio to (c) is far from 1.
+            runs["d", "fwd"] = lambda: (lambda: _naive(
+                logits, target, rollout_logp, topk_ids, topk_logp, group, world))
+            times["d", "fwd"] = [_timed(runs["d", "fwd"], 1, group) for _ in range(min(3, args.reps))]
+        for (key, measure), ts in times.items():
+            row.setdefault(key, {})[measure] = min(ts)
+            row[key]["all_" + measure] = ts
         for (key, measure), make in runs.items():
             row[key]["mem_" + measure] = _peak_bytes(make())
         row["buffer_bytes"] = min(args.chunk, T) * v_local * 4
         row["grad_bytes"] = T * v_local * 4
         rows.append(row)
     return {"rows": rows, "megatron_error": megatron_error}
+
+
+def _median_ratio(num, den, measure="fwd_bwd") -> str:
+    """Median over repetitions of num/den timed within the same repetition, with a ~95 %
+    distribution-free interval (order statistics n/2 -+ 0.98 sqrt(n) of the sorted ratios)."""
+    r = sorted(x / y for x, y in zip(num["all_" + measure], den["all_" + measure]))
+    n = len(r)
+    half = 0.98 * math.sqrt(n)
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return f"median {statistics.median(r):.3f}, 95% CI [{r[lo]:.3f}, {r[hi]:.3f}]"
 
 
 def _fmt_table(res) -> str:
@@ -213,17 +251,22 @@ def _fmt_table(res) -> str:
         for sfx, label in (("", "recompute (default)"), ("_inplace", "inplace_logits")):
             ra, rb, rc = row["a" + sfx], row["b" + sfx], row["c" + sfx]
             line = (
-                f"- {label}: fwd+bwd (b)/(a) = {rb['fwd_bwd'] / ra['fwd_bwd']:.3f}, "
-                f"(c)/(a) = {rc['fwd_bwd'] / ra['fwd_bwd']:.3f}; "
+                f"- {label}: fwd+bwd (b)/(a) = {rb['fwd_bwd'] / ra['fwd_bwd']:.3f} "
+                f"({_median_ratio(rb, ra)}), (c)/(a) = "
+                f"{rc['fwd_bwd'] / ra['fwd_bwd']:.3f} ({_median_ratio(rc, ra)}); "
                 f"fwd (b)/(a) = {rb['fwd'] / ra['fwd']:.3f}, (c)/(a) = {rc['fwd'] / ra['fwd']:.3f}; "
                 f"peak extra fwd of (c) = {rc['mem_fwd'] / buf:.3f} x buffer; "
                 f"fwd+bwd of (c) beyond the gradient = "
                 f"{(rc['mem_fwd_bwd'] - (0 if sfx else row['grad_bytes'])) / buf:.3f} x buffer"
             )
             if "e" in row:
-                line += (f"; (a)/(e) fwd+bwd = {ra['fwd_bwd'] / row['e']['fwd_bwd']:.3f}, "
+                line += (f"; (a)/(e) fwd+bwd = {ra['fwd_bwd'] / row['e']['fwd_bwd']:.3f} "
+                         f"({_median_ratio(ra, row['e'])}), "
                          f"fwd = {ra['fwd'] / row['e']['fwd']:.3f}")
             out.append(line)
+        rs, ra = row["c_sort_inplace"], row["a_inplace"]
+        out.append(f"- inplace_logits, general duplicate search: fwd+bwd (c_sort)/(a) = "
+                   f"{rs['fwd_bwd'] / ra['fwd_bwd']:.3f} ({_median_ratio(rs, ra)})")
         if "d" in row:
             out.append(f"- naive (d) / (c) forward = {row['d']['fwd'] / row['c']['fwd']:.2f}, "
                        f"peak {row['d']['mem_fwd'] / buf:.1f} x buffer")

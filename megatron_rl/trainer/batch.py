@@ -10,7 +10,9 @@ P−1 .. P+T−2 and are zero (masked) elsewhere:
     input_ids, labels          [B, S] int64
     loss_mask                  [B, S] float: 1 on response-token predictions (the response mask)
     rollout_logp               [B, S] float32 log μ(labels[s])
-    topk_ids / topk_logp       [B, S, K] (only with top-K log-probs; ids −1 elsewhere)
+    topk_ids / topk_logp       [B, S, K] (only with top-K log-probs; ids −1 elsewhere); the ids
+                               of each row are distinct (checked here, once per step, so that the
+                               loss can skip its per-row duplicate search: `topk_distinct`)
     routed_experts             [B, S, L, k] int64 routing of input position s (−1 = none; MoE)
     advantages                 [B, S] float32 (written by the trainer)
     rewards                    [B] float32, group_ids [B] int64, response_len [B], truncated [B]
@@ -60,10 +62,31 @@ def build_batch(records: Sequence[RolloutRecord], rewards: Sequence[float], pad_
                  response_len=torch.tensor([r.response_ids.numel() for r in records]),
                  truncated=torch.tensor([r.finish_reason == "length" for r in records]))
     if with_topk:
+        check_distinct_topk(topk_ids, records)
         batch.update(topk_ids=topk_ids, topk_logp=topk_logp)
     if with_routes:
         batch["routed_experts"] = routes
     return batch
+
+
+def check_distinct_topk(topk_ids: torch.Tensor, records: Sequence[RolloutRecord]) -> None:
+    """Raise if a top-K row of `topk_ids` [B, S, K] names an id twice (−1 padding aside).
+
+    An inference engine's top-K lists distinct tokens; a repeat means a malformed rollout, and the
+    learner's top-K divergences assume there is none (`vocab_parallel_policy_stats(topk_distinct=
+    True)`), so it is reported here, naming the sample and the response token.
+    """
+    srt = topk_ids.sort(dim=-1).values
+    rep = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    if not bool(rep.any()):
+        return
+    i, s, k = (int(v) for v in rep.nonzero()[0])
+    r = records[i]
+    t = s - (r.prompt_ids.numel() - 1)
+    raise ValueError(
+        f"rollout sample (prompt {r.prompt_index}, sample {r.sample_index}): the top-K ids of "
+        f"response token {t} name id {int(srt[i, s, k])} twice ({topk_ids[i, s].tolist()}); an "
+        "inference engine's top-K lists distinct tokens")
 
 
 def token_rewards(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -53,7 +53,8 @@ class PolicyLoss:
             # The output layer's fp32 logits are read by nothing after the loss: reuse their
             # storage as the scratch buffer and then as the gradient (megatron-core's trick).
             inplace_logits=logits_BSV.dtype == torch.float32 and a.entropy_coef == 0
-            and logits_BSV.is_contiguous())
+            and logits_BSV.is_contiguous(),
+            topk_distinct=True)  # build_batch checked every top-K row once per step
         kwargs = self.kwargs
         if self.entropy_eps is not None:
             eps = aspo_entropy_eps(ps.entropy, mb["loss_mask"] > 0, **self.entropy_eps)

@@ -46,6 +46,7 @@ __all__ = [
     "binary_tv",
     "binary_kl",
     "topk_support",
+    "topk_divergences",
     "topk_tv",
     "topk_kl",
     "vocab_parallel_topk_divergence",
@@ -93,11 +94,20 @@ def binary_kl(mu_logp: torch.Tensor, pi_logp: torch.Tensor, eps: float = BINARY_
 
 
 def topk_support(
-    sampled_ids: torch.Tensor, topk_ids: torch.Tensor
+    sampled_ids: torch.Tensor, topk_ids: torch.Tensor, *, distinct_topk: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """S = {a_t} ∪ topK as ids [..., K + 1] (column 0 = a_t) and a mask [..., K + 1] that keeps
-    each id once (its first column) and drops negative ids (padding of a short top-K list)."""
+    each id once (its first column) and drops negative ids (padding of a short top-K list).
+
+    distinct_topk: the caller guarantees that the non-negative ids of each top-K row are distinct
+    (an inference engine's top-K always is; `trainer.batch.build_batch` checks it once per step).
+    Only the entry equal to a_t can then repeat an id: one O(K) compare per row replaces the sort.
+    """
     ids = torch.cat([sampled_ids[..., None], topk_ids], dim=-1).long()
+    if distinct_topk:
+        keep = ids >= 0
+        keep[..., 1:] &= ids[..., 1:] != ids[..., :1]
+        return ids, keep
     # A stable sort puts equal ids next to each other in column order: every one but the first of
     # a run is a duplicate. O(J log J) per row (the pairwise [.., J, J] compare cost 2-3x more).
     srt, perm = ids.sort(dim=-1, stable=True)
@@ -107,7 +117,12 @@ def topk_support(
     return ids, (ids >= 0) & ~dup
 
 
-def _topk_probs(mu_logp_S, pi_logp_S, keep_S):
+def topk_divergences(
+    mu_logp_S: torch.Tensor, pi_logp_S: torch.Tensor, keep_S: torch.Tensor,
+    *, tv: bool = True, kl: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(top-K TV, top-K KL(mu || pi)) from log-probs on the support S (see `topk_support`); the
+    one not asked for is None. Both share one set of probabilities and rest buckets."""
     mu_logp_S, pi_logp_S = _promote(mu_logp_S, pi_logp_S)
     neg_inf = torch.full((), float("-inf"), dtype=mu_logp_S.dtype, device=mu_logp_S.device)
     # Dropped columns become probability 0 on both sides; the safe values keep gradients finite.
@@ -117,24 +132,26 @@ def _topk_probs(mu_logp_S, pi_logp_S, keep_S):
     pi = torch.exp(pi_lp)
     rest_mu = (1.0 - mu.sum(-1)).clamp(min=REST_CLAMP)
     rest_pi = (1.0 - pi.sum(-1)).clamp(min=REST_CLAMP)
-    return mu_lp, pi_lp, mu, pi, rest_mu, rest_pi
+    out_tv = out_kl = None
+    if tv:
+        out_tv = (0.5 * ((mu - pi).abs().sum(-1) + (rest_mu - rest_pi).abs())).clamp(0.0, 1.0)
+    if kl:
+        # mu_k (log mu_k - log pi_k) over the columns with mu_k > 0 (elsewhere the log ratio may
+        # be nan, -inf - -inf, and the term is 0).
+        ratio = torch.where(mu > 0, mu_lp - pi_lp, torch.zeros((), dtype=mu.dtype))
+        hit = torch.linalg.vecdot(mu, ratio)
+        out_kl = (hit + rest_mu * (torch.log(rest_mu) - torch.log(rest_pi))).clamp(min=0.0)
+    return out_tv, out_kl
 
 
 def topk_tv(mu_logp_S: torch.Tensor, pi_logp_S: torch.Tensor, keep_S: torch.Tensor) -> torch.Tensor:
     """Top-K TV from log-probs on the support S (see `topk_support`)."""
-    _, _, mu, pi, rest_mu, rest_pi = _topk_probs(mu_logp_S, pi_logp_S, keep_S)
-    tv = 0.5 * ((mu - pi).abs().sum(-1) + (rest_mu - rest_pi).abs())
-    return tv.clamp(0.0, 1.0)
+    return topk_divergences(mu_logp_S, pi_logp_S, keep_S, kl=False)[0]
 
 
 def topk_kl(mu_logp_S: torch.Tensor, pi_logp_S: torch.Tensor, keep_S: torch.Tensor) -> torch.Tensor:
     """Top-K KL(mu || pi) from log-probs on the support S (see `topk_support`)."""
-    mu_lp, pi_lp, mu, _, rest_mu, rest_pi = _topk_probs(mu_logp_S, pi_logp_S, keep_S)
-    on = mu > 0
-    zero = torch.zeros((), dtype=mu.dtype, device=mu.device)
-    diff = torch.where(on, mu_lp, zero) - torch.where(on, pi_lp, zero)
-    hit = torch.where(on, mu * diff, zero).sum(-1)
-    return (hit + rest_mu * (torch.log(rest_mu) - torch.log(rest_pi))).clamp(min=0.0)
+    return topk_divergences(mu_logp_S, pi_logp_S, keep_S, tv=False)[1]
 
 
 def vocab_parallel_topk_divergence(

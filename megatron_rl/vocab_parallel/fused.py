@@ -7,7 +7,8 @@ rollout policy mu and pi (ALGORITHMS.md §1, formulas in `divergences.py`):
     topk_tv, topk_kl      on S = {a_t} ∪ rollout top-K ids, each id once, plus the rest bucket
 The top-K variants only add K gathered logits per token to the pass that log pi(a_t) needs
 anyway (the sampled token is column 0 of the gathered ids), which is why they cost about what the
-log-prob pass costs; all partial sums travel in one all-reduce per token chunk.
+log-prob pass costs: the gathered logits ride in the max all-reduce and the partial sums in the
+sum all-reduce that every token chunk needs anyway.
 Divergences gate updates, so they are computed without autograd unless divergence_grad=True.
 """
 
@@ -18,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from .divergences import binary_kl, binary_tv, topk_kl, topk_support, topk_tv
+from .divergences import binary_kl, binary_tv, topk_divergences, topk_support
 from .logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
 
 __all__ = ["DIVERGENCES", "PolicyStats", "vocab_parallel_policy_stats"]
@@ -63,6 +64,7 @@ def vocab_parallel_policy_stats(
     vocab_size: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     inplace_logits: bool = False,
+    topk_distinct: bool = False,
 ) -> PolicyStats:
     """log pi(a_t), entropy and mu-vs-pi divergences from one pass over the local logit shard.
 
@@ -73,6 +75,8 @@ def vocab_parallel_policy_stats(
     vocab_size: true vocabulary size; ids >= vocab_size are Megatron padding and excluded.
     inplace_logits: overwrite fp32 logits and reuse them as the gradient (Megatron's memory and
     speed trick; see `vocab_parallel_log_probs_and_entropy`); not with entropy_grad.
+    topk_distinct: the non-negative ids of each top-K row are known to be distinct (see
+    `topk_support`): duplicates are then looked for only between a_t and the list, without a sort.
     """
     unknown = [d for d in divergences if d not in DIVERGENCES]
     if unknown:
@@ -83,13 +87,15 @@ def vocab_parallel_policy_stats(
     if need_topk and (topk_ids is None or topk_logp is None):
         raise ValueError("topk_tv / topk_kl need topk_ids and topk_logp from the rollout engine")
     if need_topk:
-        ids, keep = topk_support(target_ids, topk_ids)  # column 0 is a_t
+        ids, keep = topk_support(target_ids, topk_ids, distinct_topk=topk_distinct)  # col 0: a_t
     else:
         ids, keep = target_ids[..., None].long(), None
     logp_S, ent = vocab_parallel_log_probs_and_entropy(
         logits, ids, group, temperature=temperature, vocab_size=vocab_size,
         chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
         inplace_logits=inplace_logits,
+        # Without divergence_grad only log pi(a_t) (column 0) is differentiated.
+        grad_columns=None if divergence_grad else 1,
     )
     out: dict[str, torch.Tensor] = {}
     if divergences:
@@ -102,8 +108,7 @@ def vocab_parallel_policy_stats(
                 out["binary_kl"] = binary_kl(rollout_logp, pi_t)
             if need_topk:
                 mu_S = torch.cat([rollout_logp[..., None], topk_logp], dim=-1)
-                if "topk_tv" in divergences:
-                    out["topk_tv"] = topk_tv(mu_S, pi_S, keep)
-                if "topk_kl" in divergences:
-                    out["topk_kl"] = topk_kl(mu_S, pi_S, keep)
+                tv, kl = topk_divergences(mu_S, pi_S, keep, tv="topk_tv" in divergences,
+                                          kl="topk_kl" in divergences)
+                out.update({k: v for k, v in (("topk_tv", tv), ("topk_kl", kl)) if v is not None})
     return PolicyStats(logp=logp_S[..., 0], entropy=ent, **out)

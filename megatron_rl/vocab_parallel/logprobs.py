@@ -7,7 +7,8 @@ Math (x = raw logits, tau = temperature, alpha = 1 / tau, m = max_i x_i over the
     z_i   = (x_i - m) * alpha                      (<= 0; the global max comes from an all-reduce MAX)
     S     = sum_i exp(z_i)                         (local partial sums, all-reduce SUM)
     lse   = m * alpha + log S                      (log-partition of x / tau)
-    log pi(j) = x_j * alpha - lse                  (x_j gathered on the shard that owns id j, SUM)
+    log pi(j) = x_j * alpha - lse                  (x_j from the shard owning id j, -inf on the
+                                                    others: rides in the MAX all-reduce)
     H     = -sum_i p_i log p_i = log S - W / S,  W = sum_i exp(z_i) z_i
 Backward (hand-written, recomputing p from the saved lse instead of storing a [T, V_l] softmax):
     d log pi(j) / d x_i = (1[i = j] - p_i) * alpha
@@ -113,45 +114,48 @@ def forward_pass(
     log_sum = torch.empty(T, dtype=acc, device=x2d.device)
     ent = torch.empty(T, dtype=acc, device=x2d.device) if want_entropy else None
     local, owned = info.local_ids(ids_TJ)
-    valid = info.valid_ids(ids_TJ)
+    neg_inf = torch.full((), float("-inf"), dtype=acc, device=x2d.device)
     chunk = min(check_chunk(chunk_size), max(T, 1))
     buf = None if inplace or not T else torch.empty(chunk, nv, dtype=acc, device=x2d.device)
     n_stats = 2 if want_entropy else 1
     for r0, r1 in _row_blocks(T, chunk):
         r = r1 - r0
         xc = x2d[r0:r1, :nv]
+        # One MAX all-reduce carries the row max and the asked logits: an id's logit is -inf on
+        # every shard but its owner's, so the max is the owner's value, and an id no shard owns
+        # (negative, padding, out of range) stays -inf: its log-prob is -inf without a mask.
+        # The gather comes before the all-reduce: it does not depend on the max.
+        mx = torch.empty(r, 1 + J, dtype=acc, device=x2d.device)
         if nv:
-            m = xc.amax(-1).to(acc)
+            mx[:, 0] = xc.amax(-1)
         else:  # a shard made only of padding
-            m = torch.full((r,), float("-inf"), dtype=acc, device=x2d.device)
-        # Gather the asked logits before the max all-reduce: they do not depend on it.
-        packed = torch.empty(r, n_stats + J, dtype=acc, device=x2d.device)
+            mx[:, 0] = float("-inf")
         if J:
-            g = x2d[r0:r1].gather(1, local[r0:r1]).to(acc)
-            packed[:, n_stats:] = torch.where(owned[r0:r1], g, torch.zeros((), dtype=acc))
-        all_reduce_(m, "max", group)
-        m_a = m * alpha  # scaled with the same alpha as x, so z = 0 exactly at the max
+            g = x2d[r0:r1].gather(1, local[r0:r1])
+            torch.where(owned[r0:r1], g.to(acc), neg_inf, out=mx[:, 1:])
+        all_reduce_(mx, "max", group)
+        m_a = mx[:, 0] * alpha  # scaled with the same alpha as x, so z = 0 exactly at the max
         z = xc if inplace else buf[:r]
         # z = x * alpha - m * alpha in one pass; the add promotes bf16 to the acc dtype per element.
         torch.add(-m_a[:, None], xc, alpha=alpha, out=z)
         if extra_chunk_fn is not None:
             extra_chunk_fn(r0, r1, xc, z)
+        sums = torch.empty(r, n_stats, dtype=acc, device=x2d.device)
         if want_entropy:
-            packed[:, 0], packed[:, 1] = _sumexp_and_w(z)
+            sums[:, 0], sums[:, 1] = _sumexp_and_w(z)
             if inplace:
                 z.exp_()
         else:
-            packed[:, 0] = z.exp_().sum(-1)
-        all_reduce_(packed, "sum", group)
-        s = packed[:, 0]
+            sums[:, 0] = z.exp_().sum(-1)
+        all_reduce_(sums, "sum", group)
+        s = sums[:, 0]
         log_s = torch.log(s)
         lse[r0:r1] = m_a + log_s
         log_sum[r0:r1] = log_s
-        if J:
-            lp = packed[:, n_stats:] * alpha - (m_a + log_s)[:, None]
-            logp[r0:r1] = torch.where(valid[r0:r1], lp, torch.full((), float("-inf"), dtype=acc))
+        if J:  # log pi(j) = x_j * alpha - lse
+            torch.add(-lse[r0:r1, None], mx[:, 1:], alpha=alpha, out=logp[r0:r1])
         if want_entropy:
-            ent[r0:r1] = log_s - packed[:, 1] / s
+            ent[r0:r1] = log_s - sums[:, 1] / s
     return logp, lse, ent, log_sum
 
 
@@ -160,15 +164,16 @@ class _LogProbsEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy, entropy_grad, inplace
+        ctx, x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy, entropy_grad, inplace,
+        grad_columns,
     ):
         logp, lse, ent, log_sum = forward_pass(
             x2d, ids_TJ, info, group, temperature, chunk_size, want_entropy, inplace=inplace
         )
         # In place, x2d holds exp(z) = S * p, so the backward needs log S rather than lse.
         ctx.save_for_backward(x2d, ids_TJ, log_sum if inplace else lse, ent if want_entropy else lse)
-        ctx.info, ctx.temperature, ctx.chunk_size, ctx.inplace = (
-            info, temperature, chunk_size, inplace,
+        ctx.info, ctx.temperature, ctx.chunk_size, ctx.inplace, ctx.grad_columns = (
+            info, temperature, chunk_size, inplace, grad_columns,
         )
         ctx.entropy_grad = want_entropy and entropy_grad
         ctx.set_materialize_grads(False)  # unused outputs arrive as None, not zero tensors
@@ -187,6 +192,8 @@ class _LogProbsEntropy(torch.autograd.Function):
         T, nv = x2d.shape[0], info.n_valid
         if g_logp is None:
             g_logp = torch.zeros(ids_TJ.shape, dtype=acc, device=x2d.device)
+        if ctx.grad_columns is not None:  # the caller promised zero gradients beyond these
+            ids_TJ, g_logp = ids_TJ[:, :ctx.grad_columns], g_logp[:, :ctx.grad_columns]
         valid = info.valid_ids(ids_TJ)
         g_logp = torch.where(valid, g_logp.to(acc), torch.zeros((), dtype=acc))
         if ids_TJ.shape[1] > 1 and not bool(g_logp[:, 1:].any()):
@@ -212,7 +219,7 @@ class _LogProbsEntropy(torch.autograd.Function):
                 dst.mul_((-g_sum[r0:r1] * inv_s[r0:r1])[:, None])
                 if nv and ids_TJ.shape[1]:
                     dst.scatter_add_(1, local[r0:r1].clamp(max=nv - 1), g_scatter[r0:r1])
-            return grad, None, None, None, None, None, None, None, None
+            return grad, None, None, None, None, None, None, None, None, None
         grad = torch.empty_like(x2d)
         if nv < x2d.shape[1]:
             grad[:, nv:] = 0  # padding takes no part in the softmax
@@ -239,7 +246,7 @@ class _LogProbsEntropy(torch.autograd.Function):
                 dst.scatter_add_(1, local[r0:r1].clamp(max=nv - 1), g_scatter[r0:r1])
             if not direct:
                 grad[r0:r1, :nv].copy_(dst)
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None, None
 
 
 def _flatten(logits: torch.Tensor) -> torch.Tensor:
@@ -259,6 +266,7 @@ def vocab_parallel_log_probs_and_entropy(
     with_entropy: bool = True,
     entropy_grad: bool = True,
     inplace_logits: bool = False,
+    grad_columns: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(ids) and entropy of softmax(logits / temperature) over the sharded vocabulary.
 
@@ -272,6 +280,8 @@ def vocab_parallel_log_probs_and_entropy(
     vocab_parallel_cross_entropy does. Saves the scratch buffer and the backward's exp pass;
     the logits are garbage afterwards (their version counter is bumped, so autograd rejects any
     other graph that saved them) and backward may run once. No entropy gradient in this mode.
+    grad_columns: only the first grad_columns ids per token receive a gradient (the caller
+    promises the others' are zero, e.g. ids kept for divergences that gate without one).
     """
     lead = logits.shape[:-1]
     x2d = _flatten(logits)
@@ -290,7 +300,7 @@ def vocab_parallel_log_probs_and_entropy(
                              "pass entropy_grad=False or inplace_logits=False")
     logp, ent = _LogProbsEntropy.apply(
         x2d, ids_TJ, info, group, float(temperature), check_chunk(chunk_size), with_entropy,
-        entropy_grad, inplace_logits,
+        entropy_grad, inplace_logits, grad_columns,
     )
     logp = logp.reshape(ids.shape) if not single else logp.reshape(lead)
     return logp, (ent.reshape(lead) if with_entropy else None)

@@ -36,9 +36,12 @@ class ShardInfo:
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global ids -> (local column clamped into range, mask of ids this shard owns)."""
-        local = ids - self.start
-        owned = (local >= 0) & (local < self.n_valid)
-        return local.clamp(0, max(self.local_vocab - 1, 0)), owned
+        local = ids - self.start if self.start else ids
+        clamped = local.clamp(0, max(self.local_vocab - 1, 0))
+        owned = clamped == local  # in [0, V_local): 3 ops on [T, J] instead of 5
+        if self.n_valid < self.local_vocab:  # the shard ends in padding columns
+            owned &= local < self.n_valid
+        return clamped, owned
 
     def valid_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Ids that name a real token (padding and negative ids do not)."""

@@ -33,7 +33,8 @@ def test_batch_alignment_matches_records():
     for i, (P, T) in enumerate([(3, 2), (5, 4), (2, 1)]):
         prompt = torch.randint(3, 90, (P,), generator=g).tolist()
         resp = torch.randint(3, 90, (T,), generator=g).tolist()
-        topk = (torch.randint(0, 90, (T, 3), generator=g), torch.randn(T, 3, generator=g))
+        topk_ids = torch.stack([torch.randperm(90, generator=g)[:3] for _ in range(T)])
+        topk = (topk_ids, torch.randn(T, 3, generator=g))
         routes = torch.randint(0, 4, (P + T - 1, 2, 2), generator=g, dtype=torch.int32)
         recs.append(record(prompt, resp, torch.randn(T, generator=g).tolist(), topk, routes, i=i))
     b = batching.build_batch(recs, [1.0, 0.0, 1.0], pad_id=0, with_topk=True, with_routes=True)
@@ -53,6 +54,11 @@ def test_batch_alignment_matches_records():
     tr = batching.token_rewards(b)
     assert tr.sum(1).tolist() == [1.0, 0.0, 1.0]
     assert tr[0, 3].item() == 1.0  # last response prediction of sequence 0 (P=3, T=2) is position 3
+    # A top-K row naming an id twice is a malformed rollout: one error naming sample and token.
+    recs[1].topk_ids[2, 2] = recs[1].topk_ids[2, 0]
+    with pytest.raises(ValueError, match=r"prompt 1, sample 0\): the top-K ids of response token 2 "
+                       rf"name id {int(recs[1].topk_ids[2, 0])} twice"):
+        batching.build_batch(recs, [1.0, 0.0, 1.0], pad_id=0, with_topk=True, with_routes=True)
 
 
 def test_mini_batches_keep_groups_and_reject_bad_split():

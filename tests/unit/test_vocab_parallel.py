@@ -522,3 +522,51 @@ def test_topk_support_keeps_each_id_once_in_column_order():
             seen.add(i)
         assert row_keep == want
     assert torch.equal(ids[:, 0], sampled) and bool(keep[:, 0].all())
+
+
+def test_topk_support_for_distinct_lists_matches_the_general_one():
+    """distinct_topk=True (engine top-K lists, ids distinct) drops only the entry equal to a_t:
+    the same support as the sort-based search whenever the lists are distinct."""
+    from megatron_rl.vocab_parallel import topk_support
+
+    g = torch.Generator().manual_seed(1)
+    T, K, V = 400, 7, 12
+    topk = torch.stack([torch.randperm(V, generator=g)[:K] for _ in range(T)])
+    topk[::5, -2:] = -1  # short lists padded with -1 (repeated, but dropped either way)
+    sampled = torch.randint(0, V, (T,), generator=g)  # in the list or not
+    ids_a, keep_a = topk_support(sampled, topk)
+    ids_b, keep_b = topk_support(sampled, topk, distinct_topk=True)
+    assert torch.equal(ids_a, ids_b) and torch.equal(keep_a, keep_b)
+    assert bool((keep_a[:, 1:].sum(-1) < (topk >= 0).sum(-1)).any())  # a_t was in some lists
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_with_distinct_topk_matches_references(tp):
+    """The learner's setting: a_t forced into mu's true top-K (as RolloutRecord does), padded
+    rows, topk_distinct=True; against the float64 per-token Python sets."""
+    K = 5
+    mu_x = make_logits(300 + tp, scale=2.0)
+    pi_x = mu_x + 0.5 * make_logits(400 + tp, scale=1.0, offset=0.0)
+    sampled, mu_lp, topk_ids, topk_lp, _ = rollout_from(mu_x, K, seed=tp)
+    missing = ~(topk_ids == sampled[:, None]).any(-1)
+    topk_ids[missing, -1], topk_lp[missing, -1] = sampled[missing], mu_lp[missing]
+    topk_ids[3, -2:] = -1
+
+    def fn(shard, group, rank):
+        x = shard.clone().requires_grad_()
+        s = vp.vocab_parallel_policy_stats(
+            x, sampled, group, rollout_logp=mu_lp, topk_ids=topk_ids, topk_logp=topk_lp,
+            divergences=vp.DIVERGENCES, vocab_size=VOCAB, chunk_size=5, topk_distinct=True,
+        )
+        s.logp.sum().backward()
+        return s, x.grad
+
+    pi_lsm = ref_logp_full(pi_x, VOCAB)
+    ttv, tkl = ref_topk(mu_lp, topk_lp, sampled, topk_ids, pi_lsm)
+    ref_x = pi_x.clone().requires_grad_()
+    ref_logp(ref_x, sampled[:, None], VOCAB).sum().backward()
+    results = run_tp(tp, fn, pi_x)
+    for s, _ in results:
+        close(s.topk_tv, ttv, 1e-10)
+        close(s.topk_kl, tkl, 1e-10)
+    close(torch.cat([gr for _, gr in results], dim=-1), ref_x.grad, 1e-10)
