@@ -10,7 +10,8 @@ For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per r
   (d) naive reference: all-gather the full vocabulary, log_softmax, then the same quantities
   (e) megatron-core vocab_parallel_cross_entropy (Megatron's TP log-prob), forward + backward
 Times are the minimum over --reps repetitions of the slowest rank (barrier before each run, the
-variants interleaved within each repetition); forward-only times are reported too. Ratios are also
+variants interleaved within each repetition in a shuffled order); forward-only times are reported
+too. Ratios are also
 given as the median over repetitions of the ratio within one repetition (neighbouring runs see the
 same machine load). Inputs that a variant overwrites (inplace_logits, Megatron's fp32 path) are
 copied outside the timed region into one buffer that every such variant reuses (same pages for
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -182,12 +184,12 @@ def worker(rank, world, args):
         # Repetitions outermost, variants interleaved: load from other processes on a shared
         # machine then hits every variant alike instead of whichever ran during the spike.
         times = {name: [] for name in runs}
-        names = list(runs)
         for rep in range(args.reps):
-            # Each repetition starts one variant later: every variant runs after every other
-            # (the default path's large allocations leave the allocator and page tables in a
-            # state that slows whichever variant comes next).
-            for name in names[rep % len(names):] + names[:rep % len(names)]:
+            # A fresh order each repetition (seeded alike on every rank): a variant that frees
+            # hundreds of MiB would otherwise always slow down the same successor.
+            names = list(runs)
+            random.Random(rep).shuffle(names)
+            for name in names:
                 times[name].append(_timed(runs[name], 1, group))
         if v_local <= args.naive_max_vocab:
             # Timed apart, a few times: its gigabytes of allocations would disturb the others,

@@ -227,6 +227,27 @@ def test_kl_to_reference_through_the_loop(server_url, tmp_path):
             r["loss/pg"] + 0.1 * r["loss/kl"] - 0.01 * r["loss/entropy"], rel=1e-5, abs=1e-9)
 
 
+def test_topk_divergence_through_the_loop(server_url, tmp_path):
+    """DPPO's top-K trust region end to end: SGLang's top-20 log-probs -> records (sampled token
+    forced in) -> build_batch (rows checked distinct once per step) -> the learner's fused pass
+    with topk_distinct. With one mini-batch and one epoch every update is on-policy, so the
+    top-K KL between the engine's and the learner's distributions is rounding only -- at step 0
+    and again after a weight sync; a second epoch over the batch sees a moved policy, so the
+    top-K TV becomes positive (the values themselves: tests/unit/test_vocab_parallel.py)."""
+    # An entropy bonus moves the policy even when this small batch has no informative group.
+    run(tmp_path / "kl", server_url, "algorithm=dppo_topk_kl", "rollout.top_k_logprobs=20",
+        "trainer.steps=2", "algorithm.mini_batches=1", "algorithm.entropy_coef=0.01")
+    rows = [r for r in read_metrics(tmp_path / "kl") if r["step"] >= 0]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert 0 <= r["divergence/mean"] < 1e-6 and r["divergence/max"] < 1e-4, r
+    run(tmp_path / "tv", server_url, "algorithm=dppo_topk_tv", "rollout.top_k_logprobs=20",
+        "trainer.steps=1", "algorithm.mini_batches=1", "algorithm.epochs=2",
+        "algorithm.entropy_coef=0.01")
+    (r,) = [r for r in read_metrics(tmp_path / "tv") if r["step"] >= 0]
+    assert 1e-5 < r["divergence/mean"] <= r["divergence/max"] <= 1.0, r
+
+
 def test_ppo_gae_four_models_learn(server_url, tmp_path):
     """recipes/ppo_gae_tiny_cpu.yaml (policy, critic + GAE, reward model, reference; KL in the
     rewards), the recipe's batch, fewer steps: the task reward rises; the critic's fresh head starts
