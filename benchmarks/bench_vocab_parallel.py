@@ -25,6 +25,7 @@ excluded, outputs and the gradient of the logits included). Compared with one fp
 [chunk, V_local] scratch buffer.
 
     .venv/bin/python benchmarks/bench_vocab_parallel.py            # T=4096, V_local 16384, 75968
+    .venv/bin/python benchmarks/bench_vocab_parallel.py --vocab 16384 --reps 9 --pairs 201
 """
 
 from __future__ import annotations
@@ -200,6 +201,16 @@ def worker(rank, world, args):
         for (key, measure), ts in times.items():
             row.setdefault(key, {})[measure] = min(ts)
             row[key]["all_" + measure] = ts
+        # Paired phase (inplace path, forward + backward): (a) and the variant back to back, in
+        # alternating order, many times -- the per-call spread on a shared machine (~10 %) is far
+        # above the 1-5 % being measured, so only many pairs narrow the median down.
+        pairs = {}
+        for rep in range(args.pairs):
+            for key in ("b_inplace", "c_inplace"):
+                order = ("a_inplace", key) if rep % 2 == 0 else (key, "a_inplace")
+                t = {k: _timed(runs[k, "fwd_bwd"], 1, group) for k in order}
+                pairs.setdefault(key, []).append(t[key] / t["a_inplace"])
+        row["pairs"] = pairs
         for (key, measure), make in runs.items():
             row[key]["mem_" + measure] = _peak_bytes(make())
         row["buffer_bytes"] = min(args.chunk, T) * v_local * 4
@@ -209,9 +220,14 @@ def worker(rank, world, args):
 
 
 def _median_ratio(num, den, measure="fwd_bwd") -> str:
-    """Median over repetitions of num/den timed within the same repetition, with a ~95 %
-    distribution-free interval (order statistics n/2 -+ 0.98 sqrt(n) of the sorted ratios)."""
-    r = sorted(x / y for x, y in zip(num["all_" + measure], den["all_" + measure]))
+    """Median over repetitions of num/den timed within the same repetition (see _median_ci)."""
+    return _median_ci([x / y for x, y in zip(num["all_" + measure], den["all_" + measure])])
+
+
+def _median_ci(ratios) -> str:
+    """Median of the ratios with a ~95 % distribution-free interval (order statistics
+    n/2 -+ 0.98 sqrt(n) of the sorted ratios)."""
+    r = sorted(ratios)
     n = len(r)
     half = 0.98 * math.sqrt(n)
     lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
@@ -269,6 +285,9 @@ def _fmt_table(res) -> str:
         rs, ra = row["c_sort_inplace"], row["a_inplace"]
         out.append(f"- inplace_logits, general duplicate search: fwd+bwd (c_sort)/(a) = "
                    f"{rs['fwd_bwd'] / ra['fwd_bwd']:.3f} ({_median_ratio(rs, ra)})")
+        for key, ratios in row["pairs"].items():
+            out.append(f"- inplace_logits, {len(ratios)} back-to-back pairs: fwd+bwd "
+                       f"({key.split('_')[0]})/(a) {_median_ci(ratios)}")
         if "d" in row:
             out.append(f"- naive (d) / (c) forward = {row['d']['fwd'] / row['c']['fwd']:.2f}, "
                        f"peak {row['d']['mem_fwd'] / buf:.1f} x buffer")
@@ -284,6 +303,8 @@ def main(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="token chunk of the scratch buffer")
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=0,
+                   help="then time (a) next to (b) and to (c) this many times (inplace path)")
     p.add_argument("--naive-max-vocab", type=int, default=10**9,
                    help="skip (d) above this local vocab (it needs ~4 full-vocab copies)")
     args = p.parse_args(argv)
