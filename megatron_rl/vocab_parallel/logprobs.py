@@ -193,12 +193,10 @@ class _LogProbsEntropy(torch.autograd.Function):
         if g_logp is None:
             g_logp = torch.zeros(ids_TJ.shape, dtype=acc, device=x2d.device)
         if ctx.grad_columns is not None:  # the caller promised zero gradients beyond these
+            # (the fused entry point's top-K columns, which gate without a gradient: 1 id scattered)
             ids_TJ, g_logp = ids_TJ[:, :ctx.grad_columns], g_logp[:, :ctx.grad_columns]
         valid = info.valid_ids(ids_TJ)
         g_logp = torch.where(valid, g_logp.to(acc), torch.zeros((), dtype=acc))
-        if ids_TJ.shape[1] > 1 and not bool(g_logp[:, 1:].any()):
-            # Only column 0 carries a gradient (top-K divergences gate without one): scatter 1 id.
-            ids_TJ, g_logp = ids_TJ[:, :1], g_logp[:, :1]
         local, owned = info.local_ids(ids_TJ)
         g_scatter = torch.where(owned, g_logp * alpha, torch.zeros((), dtype=acc))
         g_sum = g_logp.sum(-1) * alpha  # sum_j g_j, pre-multiplied by alpha

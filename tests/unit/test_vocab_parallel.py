@@ -515,18 +515,26 @@ def test_topk_support_keeps_each_id_once_in_column_order():
     sampled = torch.randint(0, 6, (300,), generator=g)
     topk = torch.randint(-2, 6, (300, 9), generator=g)
     ids, keep = topk_support(sampled, topk)
-    for row_ids, row_keep in zip(ids.tolist(), keep.tolist()):
+    assert keep.tolist() == first_occurrences(ids)
+    assert torch.equal(ids[:, 0], sampled) and bool(keep[:, 0].all())
+
+
+def first_occurrences(ids):
+    """Per row, whether each column is the first to hold its id (negative ids never are)."""
+    out = []
+    for row in ids.tolist():
         seen, want = set(), []
-        for i in row_ids:
+        for i in row:
             want.append(i >= 0 and i not in seen)
             seen.add(i)
-        assert row_keep == want
-    assert torch.equal(ids[:, 0], sampled) and bool(keep[:, 0].all())
+        out.append(want)
+    return out
 
 
 def test_topk_support_for_distinct_lists_matches_the_general_one():
     """distinct_topk=True (engine top-K lists, ids distinct) drops only the entry equal to a_t:
-    the same support as the sort-based search whenever the lists are distinct."""
+    the same support as the sort-based search, and as a per-row Python walk, whenever the lists
+    are distinct."""
     from megatron_rl.vocab_parallel import topk_support
 
     g = torch.Generator().manual_seed(1)
@@ -537,6 +545,7 @@ def test_topk_support_for_distinct_lists_matches_the_general_one():
     ids_a, keep_a = topk_support(sampled, topk)
     ids_b, keep_b = topk_support(sampled, topk, distinct_topk=True)
     assert torch.equal(ids_a, ids_b) and torch.equal(keep_a, keep_b)
+    assert keep_b.tolist() == first_occurrences(ids_b)
     assert bool((keep_a[:, 1:].sum(-1) < (topk >= 0).sum(-1)).any())  # a_t was in some lists
 
 
