@@ -12,7 +12,11 @@ import torch
 
 def apply_all() -> None:
     from patches import mbridge_fixes, megatron_cpu
+    from patches._guard import pinned, require_version
 
+    # The learner reaches into megatron-core internals on every device (router replay, the grad
+    # finaliser, the pipeline schedules), not only through the CPU layer.
+    require_version("megatron-core", pinned("megatron-core"), "megatron_rl")
     if not torch.cuda.is_available():
         megatron_cpu.apply()
     mbridge_fixes.apply()

@@ -6,13 +6,16 @@
   HF softmaxes over all experts and keeps the top-k probabilities unnormalised, which is
   Megatron's `pre_softmax=True`. So: `moe_router_pre_softmax = not norm_topk_prob`.
 - transformers 5 moved `rope_theta` into `rope_parameters`; mbridge reads `hf_config.rope_theta`.
-- Local (non-Transformer-Engine) layer spec when TE is unavailable: mbridge hard-codes the TE
-  spec. The local spec names parameters differently (`input_layernorm`, `pre_mlp_layernorm`,
+- The layer spec is chosen, not guessed: mbridge hard-codes the TE spec; a bridge whose
+  `layer_spec` attribute is "local" (set from `model.spec` by megatron_rl.models.bridge) gets
+  megatron-core's local (torch) spec instead, and any other bridge keeps upstream's TE spec. TE
+  failing to import is never a reason to switch specs. The local spec names parameters differently (`input_layernorm`, `pre_mlp_layernorm`,
   `experts.local_experts.E.linear_fc*`), so local names are translated to the TE-spec names
   mbridge's mapping tables know, in the one function that maps local names to global names.
 - `load_weights` decides expert-vs-dense from the *local* name and so scatters local-spec expert
   weights over the TP group instead of the expert-TP group; it is replaced by a version that
-  decides from the translated global name.
+  decides from the translated global name and keeps upstream's value-model case (a one-row
+  output layer: every TP rank loads it, and a causal LM's lm_head is not loaded into it).
 - `export_weights` with EP=1 sends expert weights down the dense path, which all-gathers them
   over the TP group; with expert-TP=1 those copies are replicas, and the merge asserted on their
   count. The merge now takes the single replica.
@@ -24,20 +27,12 @@ import re
 
 import torch
 
-from patches._guard import require_version
+from patches._guard import pinned, require_version
 
-SUPPORTED = ("0.15.1",)
+SUPPORTED = pinned("mbridge")
 _applied = False
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-
-
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
 
 
 def te_style_name(name: str, moe_layer_norm_kept: bool) -> str:
@@ -91,7 +86,7 @@ def apply(version: str | None = None) -> None:
     orig_spec = LLMBridge._get_transformer_layer_spec
 
     def get_transformer_layer_spec(self, vp_stage=None):
-        if have_transformer_engine():
+        if getattr(self, "layer_spec", "te") != "local":
             return orig_spec(self, vp_stage)
         self.has_vp_stage = True
         return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
@@ -128,6 +123,9 @@ def apply(version: str | None = None) -> None:
     _applied = True
 
 
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # output layer, untied or tied
+
+
 def _load_weights(self, models, weights_path, memory_efficient=False):
     """mbridge's Bridge.load_weights, deciding expert-vs-dense from the global (TE-style) name.
 
@@ -148,10 +146,21 @@ def _load_weights(self, models, weights_path, memory_efficient=False):
             else:
                 group, rank, size = self.mpu.tp_group, self.mpu.tp_rank, self.mpu.tp_size
             plan.append((local_name, global_name, hf_names, group, rank, size))
-        to_read = sorted({n for _, _, hf, _, rank, _ in plan if rank == 0 for n in hf})
+        # A value model's one-row output layer (mbridge's make_value_model) is not vocab-parallel:
+        # every rank reads it; a causal LM's lm_head does not fit it and is skipped (as upstream).
+        value_head = {local for local, _, hf, *_ in plan
+                      if hf[0] in _HEAD_NAMES and state[local].shape[0] == 1}
+        to_read = sorted({n for local, _, hf, _, rank, _ in plan if rank == 0 or local in value_head
+                          for n in hf})
         hf_weights = {} if memory_efficient else self.safetensor_io.load_some_hf_weight(to_read)
         for local_name, global_name, hf_names, group, rank, size in plan:
             param = state[local_name]
+            if local_name in value_head:
+                (head,) = [hf_weights[n] if not memory_efficient
+                           else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
+                if head.shape == param.shape:
+                    param.copy_(head.to(param.device, dtype=param.dtype))
+                continue
             chunks = None
             if rank == 0:
                 tensors = [hf_weights[n] if not memory_efficient

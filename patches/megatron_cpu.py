@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from patches._guard import require_version
+from patches._guard import pinned, require_version
 
-SUPPORTED = ("0.16.1",)
+SUPPORTED = pinned("megatron-core")
 _applied = False
 _mode = None  # the installed CudaToCpuMode
 

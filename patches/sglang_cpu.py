@@ -46,9 +46,9 @@ import os
 import sys
 from pathlib import Path
 
-from patches._guard import require_version
+from patches._guard import pinned, require_version
 
-SUPPORTED = ("0.5.23",)
+SUPPORTED = pinned("sglang")
 TORCHVISION_SUPPORTED = ("0.28.0",)
 SHIM_DIR = Path(__file__).resolve().parent / "sgl_kernel_shim"
 EXTRAS_DIR = Path(sys.prefix) / "sglang-cpu-extras"

@@ -10,9 +10,9 @@
 
 from __future__ import annotations
 
-from patches._guard import require_version
+from patches._guard import pinned, require_version
 
-SUPPORTED = ("0.5.23",)
+SUPPORTED = pinned("sglang")
 CLASSIFICATION_MODULES = ("sglang.srt.models.qwen2_classification", "sglang.srt.models.qwen3_classification")
 
 

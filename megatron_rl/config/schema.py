@@ -39,6 +39,7 @@ class ModelConfig:
     hf_path: Optional[str] = None  # HF checkpoint folder; None = build `tiny` into the run dir
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when hf_path is None
     dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
+    spec: str = "auto"  # layer spec: auto (te on GPU, local on CPU) | te (Transformer Engine; an error without it) | local (torch modules, no fused kernels)
     recompute: str = "none"  # activation recompute: none | full (every layer, uniform)
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocab to a multiple of this·TP
     seed: int = 1234  # parameter-init and dropout seed (Megatron's model-parallel RNG)

@@ -1,8 +1,10 @@
 """HF <-> Megatron-Core through mbridge: build GPTModel chunks from a HF checkpoint, export back.
 
 The Megatron TransformerConfig comes from mbridge's mapping of the HF config plus the overrides
-in `megatron_overrides` (the one adapter from our config to Megatron's). On CPU the local layer
-spec is used and every fused kernel is off; on GPU the Transformer Engine spec.
+in `megatron_overrides` (the one adapter from our config to Megatron's). The layer spec is
+`model.spec` (`resolve_spec`): Transformer Engine's (`te`, the GPU default) or megatron-core's
+torch modules (`local`, the CPU default, usable on GPUs without TE) with every fused kernel off.
+Asking for `te` where Transformer Engine cannot run is an error, never a quiet switch to `local`.
 `export_hf_weights` is a collective: every rank of the model-parallel group must iterate it.
 """
 
@@ -52,9 +54,31 @@ def resolve_hf_path(model_cfg: ModelConfig, run_dir: str | Path) -> Path:
     return path
 
 
+SPECS = ("auto", "te", "local")
+
+
+def resolve_spec(name: str) -> str:
+    """`model.spec` -> "te" or "local" on this machine (auto: te with CUDA, local without)."""
+    if name not in SPECS:
+        raise ValueError(f"model.spec={name!r}; valid: {', '.join(SPECS)}")
+    cuda = torch.cuda.is_available()
+    spec = ("te" if cuda else "local") if name == "auto" else name
+    if spec == "te":
+        if not cuda:
+            raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, which needs "
+                             "CUDA; this machine has none (model.spec=local runs on CPU)")
+        try:
+            import transformer_engine.pytorch  # noqa: F401
+        except Exception as e:  # ImportError, or TE's own errors about a CUDA/cuDNN mismatch
+            raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, but "
+                             f"transformer_engine.pytorch cannot be imported ({type(e).__name__}: {e}); "
+                             "install transformer-engine[pytorch] (the `gpu` extra) or set "
+                             "model.spec=local (megatron-core's torch modules, no fused kernels)") from None
+    return spec
+
+
 def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:
     """TransformerConfig fields megatron-rl sets on top of mbridge's HF mapping."""
-    cuda = torch.cuda.is_available()
     over = dict(
         sequence_parallel=ctx.sequence_parallel,
         # Loss closures return losses already normalised by global (DP x micro-batch) counts;
@@ -72,8 +96,8 @@ def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:
         over.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif model_cfg.recompute != "none":
         raise ValueError(f"model.recompute={model_cfg.recompute!r}; valid: none, full")
-    if not cuda:
-        # The local (torch) modules implement none of the fused paths.
+    if resolve_spec(model_cfg.spec) == "local":
+        # The local (torch) modules implement none of the fused paths (they need TE or apex).
         over.update(persist_layer_norm=False, moe_grouped_gemm=False, bias_activation_fusion=False,
                     bias_dropout_fusion=False, masked_softmax_fusion=False,
                     gradient_accumulation_fusion=False, apply_rope_fusion=False,
@@ -97,6 +121,7 @@ def make_bridge(hf_path: str | Path, model_cfg: ModelConfig, ctx: ParallelContex
         make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by * ctx.tp,
     )
     bridge.set_extra_args(**megatron_overrides(model_cfg, ctx))
+    bridge.layer_spec = resolve_spec(model_cfg.spec)  # read by patches/mbridge_fixes.py
     return bridge
 
 

@@ -113,6 +113,10 @@ def validate(cfg: JobConfig) -> None:
     if r.prompts_per_step % a.mini_batches:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
                          f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
+    from megatron_rl.models.bridge import SPECS
+
+    if cfg.model.spec not in SPECS:
+        raise ValueError(f"model.spec={cfg.model.spec!r}; valid: {', '.join(SPECS)}")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
 

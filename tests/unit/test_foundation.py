@@ -32,6 +32,42 @@ def test_patch_refuses_unexpected_version(patch, dist, supported):
     assert dist in msg and supported in msg and "99.0.0" in msg
 
 
+def test_pins_agree_with_pyproject_and_lock():
+    """pyproject.toml pins exactly the releases the guards accept, and so does the CPU lock file:
+    pip can install no release that a patch would then refuse at start-up."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from patches._guard import PINS
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    declared = {r.name: str(r.specifier) for r in reqs if r.name in PINS}
+    assert declared == {name: f"=={v}" for name, v in PINS.items()}
+    lock = {}
+    for f in ("cpu-lock.txt", "sglang-nodeps.txt"):
+        for line in (REPO / "requirements" / f).read_text().splitlines():
+            if "==" in line and not line.startswith("#"):
+                name, v = line.split("#")[0].strip().split("==")
+                lock[name] = v
+    assert {name: lock[name] for name in PINS} == PINS
+
+
+def test_layer_spec_is_chosen_never_guessed():
+    """model.spec: auto is local on CPU; te without CUDA/Transformer Engine is an error naming the
+    way out, never a quiet switch to the local spec."""
+    from megatron_rl.models.bridge import resolve_spec
+
+    assert resolve_spec("auto") == "local"
+    assert resolve_spec("local") == "local"
+    with pytest.raises(ValueError, match="model.spec=local"):
+        resolve_spec("te")
+    with pytest.raises(ValueError, match="valid: auto, te, local"):
+        resolve_spec("tee")
+
+
 def test_patches_apply_to_installed_versions():
     """In a fresh interpreter: every patch applies and its targets behave as patched."""
     code = textwrap.dedent(
