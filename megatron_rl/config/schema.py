@@ -171,7 +171,8 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0  # entropy bonus coefficient
     router_replay: str = "none"  # MoE: none | r2 (replay the old-log-prob pass) | r3 (replay the engine's routes)
     overlong_buffer: int = 0  # DAPO soft overlong punishment buffer (0 = off)
-    overlong_penalty: float = 1.0  # its factor
+    overlong_penalty: float = 1.0  # its factor: -overlong_penalty at max_new_tokens
+    overlong_filter: bool = False  # DAPO overlong filtering: truncated responses (finish_reason length) get no loss
 
 
 @dataclass

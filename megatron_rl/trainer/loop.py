@@ -110,6 +110,9 @@ def validate(cfg: JobConfig) -> None:
         if r.dynamic_sampling:
             raise ValueError("rollout.dynamic_sampling filters groups by their rule rewards before the "
                              "reward model scores them; it cannot be combined with reward_model.enabled")
+    if a.overlong_buffer and not 0 < a.overlong_buffer <= r.max_new_tokens:
+        raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must lie in 1..rollout.max_new_tokens "
+                         f"({r.max_new_tokens}): the punishment ramps over the last overlong_buffer tokens")
     if r.prompts_per_step % a.mini_batches:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
                          f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
@@ -340,11 +343,16 @@ class Trainer:
         a = self.cfg.algorithm
         metrics: dict[str, float] = {}
         if a.overlong_buffer:
+            # DAPO's soft overlong punishment joins the outcome reward before the advantages (the
+            # dynamic-sampling filter has already judged the groups by their rule rewards, as
+            # DAPO's filter judges them by accuracy).
             from megatron_rl.algorithms.dapo import overlong_soft_punishment
 
             penalty = overlong_soft_punishment(batch["response_len"], max_length=self.cfg.rollout.max_new_tokens,
-                                               buffer_length=a.overlong_buffer, penalty_factor=a.overlong_penalty)
-            batch["rewards"] = batch["rewards"] + penalty
+                                               buffer_length=a.overlong_buffer, factor=a.overlong_penalty)
+            batch["rewards"] = (batch["rewards"].double() + penalty).float()
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+            metrics["reward/shaped_mean"] = float(batch["rewards"].double().mean())
         rewards = batching.token_rewards(batch)
         mask = batch["loss_mask"]
         if a.kl_in_reward:
@@ -361,6 +369,14 @@ class Trainer:
         batch["advantages"] = adv.float()
         if values is not None:
             batch["returns"] = returns.float()
+        if a.overlong_filter:
+            # DAPO's overlong filtering: truncated responses (finish_reason == length) train on
+            # nothing. Applied after the advantages, so they still count in their group's
+            # statistics (their reward is real, only its truncation makes the credit unreliable).
+            from megatron_rl.algorithms.dapo import overlong_filter_mask
+
+            batch["loss_mask"] = overlong_filter_mask(batch["loss_mask"], batch["truncated"]).float()
+            metrics["reward/overlong_filtered_frac"] = float(batch["truncated"].double().mean())
         return metrics
 
     def old_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -128,6 +128,41 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):
     assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == list(range(stopped_at + 2))
 
 
+def test_overlong_shaping_and_filter_through_the_loop(server_url, tmp_path):
+    """DAPO's overlong punishment and overlong filter in the loop, against a float64 reference on
+    the saved rollout batch: the penalty from each response's length, the shaped rewards, and the
+    tokens the policy trains on (those of untruncated responses only)."""
+    import torch
+
+    d = tmp_path / "overlong"
+    run(d, server_url, "trainer.steps=1", "trainer.mode=rollout_only", "rollout.max_new_tokens=3")
+    path = d / "rollouts" / "step_00000000.pt"
+    batch, metrics = torch.load(path, weights_only=False)
+    # A random policy almost never stops early: mark every other response as finished by EOS so
+    # that the filter has both kinds to tell apart (the loop reads only this flag).
+    batch["truncated"] = batch["truncated"] & (torch.arange(len(batch["truncated"])) % 2 == 0)
+    torch.save((batch, metrics), path)
+    run(d / "train", "http://127.0.0.1:9", "trainer.steps=1", "trainer.mode=train_only",
+        f"trainer.rollouts_dir={d / 'rollouts'}", "rollout.max_new_tokens=3",
+        "algorithm.overlong_buffer=2", "algorithm.overlong_penalty=0.5", "algorithm.overlong_filter=true")
+    (row,) = stable(read_metrics(d / "train"))
+
+    y = batch["response_len"].double()
+    start, f = 3 - 2, 0.5  # L_max - L_buf, factor
+    ref = [0.0 if n <= start else -f if n > 3 else (start - n) / 2 * f for n in y.tolist()]
+    penalty = torch.tensor(ref, dtype=torch.float64)
+    assert (penalty < 0).any()
+    assert row["reward/overlong_penalty_mean"] == pytest.approx(float(penalty.mean()), abs=1e-12)
+    shaped = batch["rewards"].double() + penalty
+    assert row["reward/shaped_mean"] == pytest.approx(float(shaped.mean()), abs=1e-6)
+    truncated = batch["truncated"].bool()
+    assert 0 < int(truncated.sum()) < len(truncated)
+    assert row["reward/overlong_filtered_frac"] == pytest.approx(float(truncated.double().mean()))
+    # `tokens` is the mean over the step's mini-batches of the response tokens the loss sees.
+    kept = float(y[~truncated].sum())
+    assert row["tokens"] * int(dict(a.split("=") for a in SMALL)["algorithm.mini_batches"]) == kept
+
+
 def test_rollout_only_then_train_only(server_url, tmp_path):
     d = tmp_path / "split"
     run(d, server_url, "trainer.steps=2", "trainer.mode=rollout_only")
