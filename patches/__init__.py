@@ -19,4 +19,8 @@ def apply_all() -> None:
     require_version("megatron-core", pinned("megatron-core"), "megatron_rl")
     if not torch.cuda.is_available():
         megatron_cpu.apply()
+        from patches import device_check
+
+        if device_check.enabled():  # the CPU test suite: fail where CUDA/NCCL would (device_check.py)
+            device_check.install()
     mbridge_fixes.apply()

@@ -86,7 +86,9 @@ class _Event:
 def _cuda_to_cpu(device):
     """Map a CUDA device spec (str, int, torch.device) to "cpu"; leave anything else alone."""
     if isinstance(device, torch.device):
-        return torch.device("cpu") if device.type == "cuda" else device
+        # The string, not torch.device("cpu"): patches/device_check.py reads a cpu torch.device
+        # as a deliberate host placement and the "cpu" string as a rewritten CUDA one.
+        return "cpu" if device.type == "cuda" else device
     if isinstance(device, str) and device.startswith("cuda"):
         return "cpu"
     return device

@@ -38,11 +38,10 @@ Tensor = torch.Tensor
 def global_normalizer(response_masks: Tensor | Iterable[Tensor], agg_mode: str, *,
                       dp_group: Any = None) -> Tensor:
     """The step's normaliser for `agg_mode` (valid tokens or non-empty sequences), counted over
-    this process's micro-batches and summed over `dp_group` (int64 scalar)."""
+    this process's micro-batches and summed over `dp_group` (int64 scalar on the masks' device)."""
     masks = [response_masks] if isinstance(response_masks, Tensor) else list(response_masks)
-    count = torch.zeros((), dtype=torch.int64)
-    for m in masks:
-        count = count + local_count(m, agg_mode).cpu()
+    # On the masks' device: with NCCL the all-reduce takes device tensors only.
+    count = sum((local_count(m, agg_mode) for m in masks[1:]), local_count(masks[0], agg_mode))
     if dp_group is not None:
         dist.all_reduce(count, op=dist.ReduceOp.SUM, group=dp_group)
     return count

@@ -162,10 +162,18 @@ def init_distributed(cfg: ParallelConfig, timeout_s: int = 1800) -> ParallelCont
         expert_model_parallel_size=s["ep"],
         expert_tensor_parallel_size=s["etp"],
     )
+    from patches import device_check
+
+    if cuda:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        # Under the CPU suite's device check a virtual CUDA device (the CPU layer places it on
+        # the CPU), so that tensors put "on the device" can be told from host ones.
+        device = torch.device("cuda" if device_check.installed() else "cpu")
     return ParallelContext(
         rank=dist.get_rank(),
         world_size=world,
-        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        device=device,
         tp=s["tp"], pp=s["pp"], vpp=s["vpp"], ep=s["ep"], etp=s["etp"], dp=s["dp"],
         sequence_parallel=s["sequence_parallel"],
         tp_rank=mpu.get_tensor_model_parallel_rank(),

@@ -80,7 +80,7 @@ class ScalarHeadLearner(Learner):
         out = self._gather_dp_rows(local)
         dist.broadcast(out, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1),
                        group=self.ctx.pp_group)
-        return out
+        return out.cpu()  # beside the rollout batch, which lives on the host
 
 
 def value_loss_closure(values_BS1, mb, tp_group, vocab_size, *, loss_name: str, clip_eps,

@@ -270,8 +270,9 @@ class Learner:
     @torch.no_grad()
     def forward_logprobs(self, batch: dict[str, torch.Tensor], routing: Optional[str] = None,
                          temperature: float = 1.0):
-        """log π(labels) for every position of the global batch, [B, S] fp32, on every rank
-        (of softmax(logits / temperature), the sampling distribution at that temperature).
+        """log π(labels) for every position of the global batch, [B, S] fp32 on the host (as the
+        batch), on every rank (of softmax(logits / temperature), the sampling distribution at
+        that temperature).
 
         `routing="replay"` replays `batch["routed_experts"]`; `routing="record"` (R2) also
         returns the routes the model chose, [B, S, L, k] int64 (-1 on padding), on every rank.
@@ -295,6 +296,7 @@ class Learner:
         out = self._gather_dp_rows(local)
         dist.broadcast(out, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1),
                        group=self.ctx.pp_group)
+        out = out.cpu()  # beside the rollout batch, which lives on the host
         return out if routing != "record" else (out, routes)
 
     def _gather_dp_rows(self, local: torch.Tensor) -> torch.Tensor:

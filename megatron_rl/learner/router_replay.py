@@ -75,7 +75,9 @@ class RouterReplayController:
         self.fed = [[0] * len(c) for c in self.chunks]
         self.recorded: list[list] = [[] for _ in self.chunks]  # per chunk, per micro-batch
         self._valid: dict[int, torch.Tensor] = {}  # moe_index -> valid-token mask of the current mb
-        self.agreement = torch.zeros(2, self.num_moe_layers, dtype=torch.float64)  # (sum, count)
+        # (sum, count) per MoE layer, on the device: accumulated without a host sync per layer and
+        # all-reduced as is by the learner.
+        self.agreement = torch.zeros(2, self.num_moe_layers, dtype=torch.float64, device=ctx.device)
         for chunk in self.chunks:
             for lr in chunk:
                 self._measure_agreement(lr)
@@ -91,10 +93,10 @@ class RouterReplayController:
                     _, natural = default_compute_topk(scores, topk, num_groups=num_groups,
                                                       group_topk=group_topk)
                     # Fraction of the k replayed experts the router would have chosen itself.
-                    overlap = (natural[:, :, None] == idx[:, None, :]).any(-1).float().mean(-1)
-                    valid = self._valid[lr.moe_index].to(overlap.device)
-                    self.agreement[0, lr.moe_index] += float(overlap[valid].sum())
-                    self.agreement[1, lr.moe_index] += float(valid.sum())
+                    overlap = (natural[:, :, None] == idx[:, None, :]).any(-1).double().mean(-1)
+                    valid = self._valid[lr.moe_index].to(overlap.device).double()
+                    self.agreement[0, lr.moe_index] += (overlap * valid).sum()
+                    self.agreement[1, lr.moe_index] += valid.sum()
             return probs, idx
 
         lr.replay.get_replay_topk = get_replay_topk

@@ -166,7 +166,7 @@ class Trainer:
 
             moe_topk = self.learner.config.moe_router_topk if self.learner.config.num_moe_experts else None
             self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk)
-        self.stop = StopRequest()
+        self.stop = StopRequest(ctx.device)
         self.history: list[dict] = []
 
     def _build_critic(self):

@@ -16,7 +16,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class StopRequest:
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        """`device`: where the flag lives for the all-reduce (the default group's: CUDA with NCCL)."""
+        self.device = torch.device(device)
         self.signum = 0
         self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
@@ -24,7 +26,7 @@ class StopRequest:
         self.signum = signum
 
     def requested(self) -> bool:
-        flag = torch.tensor([self.signum], dtype=torch.int64)
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.signum = int(flag)
