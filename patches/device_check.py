@@ -183,7 +183,9 @@ _DATA_ARGS = ("tensor", "tensor_list", "output", "input", "output_tensor", "inpu
               "scatter_list", "gather_list", "output_tensor_list", "input_tensor_list", "input_list")
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                 "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-                "send", "recv", "isend", "irecv", "_all_gather_base", "_reduce_scatter_base")
+                "send", "recv", "_all_gather_base", "_reduce_scatter_base")
+# isend / irecv stay unwrapped: P2POp checks its op by identity against them; P2P ops go through
+# batch_isend_irecv, which is checked.
 _OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object",
                        "scatter_object_list", "send_object_list", "recv_object_list")
 

@@ -207,7 +207,7 @@ class Learner:
             loss, metrics = loss_fn(logits_BSV, mb, tp_group=self.ctx.tp_group, vocab_size=self.vocab_size)
         # (loss, num_tokens, reduced): the 3-tuple form keeps Megatron from averaging over
         # micro-batches; our finaliser ignores num_tokens.
-        return loss, torch.ones((), dtype=torch.int), metrics
+        return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
     def reduce_metrics(self, per_mb: list[dict]) -> dict[str, float]:
         """Sum metric dicts over micro-batches and DP ranks; every rank returns the same values."""
