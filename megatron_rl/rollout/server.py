@@ -10,6 +10,10 @@ process group would send it down its crash path instead. Processes are never loo
 On CPU (`device="cpu"`) SGLang runs with `SGLANG_USE_CPU_ENGINE=1` and patches/sglang_cpu.py;
 on GPU (`device="cuda"`) the same command runs with `--device cuda`, no CPU patches, and
 `gpu_ids` choosing each server's GPUs through CUDA_VISIBLE_DEVICES.
+
+A server is started by a trainer rank, but it is not a rank of the trainer's world: its
+environment is the trainer's minus the variables by which a launcher (torchrun, Slurm, MPI) tells
+a process which rank of which job it is (`server_environment`, rule in `is_launcher_variable`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +71,8 @@ class ServerConfig:
     extra_args: tuple[str, ...] = ()
     """Further SGLang server arguments, passed through verbatim."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Extra environment variables for the server processes."""
+    """Extra environment variables for the server processes (set after launcher variables are
+    removed, so one named here is kept)."""
     startup_timeout: float = 300.0
     """Seconds to wait for a server to become healthy."""
     stop_timeout: float = 30.0
@@ -77,6 +83,61 @@ class ServerConfig:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+
+# Launcher variables a server must not inherit, by exact name and by prefix. Why each group:
+# - torchrun/torchelastic (torch/distributed/elastic/agent/server/local_elastic_agent.py sets them
+#   for every worker). TORCHELASTIC_USE_AGENT_STORE=True makes torch's tcp:// and env://
+#   rendezvous (torch/distributed/rendezvous.py `_create_c10d_store`) open a client-only TCPStore,
+#   trusting the torchrun agent to host it: SGLang's own `init_process_group(tcp://...)` then has no
+#   store server and waits at "Init parallel begin" until torch's default timeout (30 min, gloo).
+#   RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are what torch's env:// rendezvous reads,
+#   and SGLang 0.5.23 too (`LOCAL_RANK` in init_distributed_environment for env://, `MASTER_ADDR`
+#   for its NIXL TCPStore): the trainer's values would point a server at the trainer's store and
+#   rank. NODE_RANK is the same for other launchers (Lightning, accelerate).
+# - Slurm per-task identity (srun sets them per task): the server is not task SLURM_PROCID of
+#   SLURM_NTASKS, and Slurm-aware code (like this project's distributed/context.py) reads them as
+#   the process's own rank. Job-level variables (SLURM_JOB_ID, SLURM_JOB_NODELIST, ...) stay.
+# - MPI/PMI (Open MPI, MPICH/Intel MPI Hydra, MVAPICH, Slurm's --mpi=pmi2/pmix): a process that
+#   finds these at MPI_Init (mpi4py, NVSHMEM's PMI bootstrap, UCX) joins the launcher's job as
+#   that rank, a duplicate of the trainer rank it came from, instead of running alone.
+# CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL_*/TORCH_* tuning and everything else pass through;
+# ServerConfig.env is applied after this rule, so a variable set there on purpose is kept.
+LAUNCHER_VARIABLES = frozenset({
+    # torch.distributed.run / torchelastic (and NODE_RANK)
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK",
+    # Slurm task identity
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+    "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_STEP_NUM_TASKS",
+    "SLURM_STEP_TASKS_PER_NODE", "SLURM_GTIDS", "SLURM_TASK_PID",
+    # MPICH / Intel MPI (Hydra) local rank
+    "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+})
+LAUNCHER_PREFIXES = (
+    "TORCHELASTIC_",  # agent store, run id, restart count, error file
+    "PMI_", "PMIX_",  # PMI-1/2 and PMIx clients (Slurm --mpi, Hydra, Open MPI 5)
+    "OMPI_COMM_WORLD_", "OMPI_MCA_orte_", "OMPI_MCA_ess_",  # Open MPI rank and job identity
+    "MV2_COMM_WORLD_",  # MVAPICH
+)
+
+
+def is_launcher_variable(name: str) -> bool:
+    """True for a variable by which torchrun, Slurm or MPI names a process's rank in its job."""
+    return name in LAUNCHER_VARIABLES or name.startswith(LAUNCHER_PREFIXES)
+
+
+def server_environment(environ: Mapping[str, str], extra: Mapping[str, str] | None = None, *,
+                       device: str = "cpu", gpu_ids: list[int] | None = None) -> dict[str, str]:
+    """The environment of a server process started from a process whose environment is `environ`:
+    `environ` without launcher variables, then `extra`, then the device selection."""
+    env = {k: v for k, v in environ.items() if not is_launcher_variable(k)}
+    env.update(extra or {})
+    if device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    elif gpu_ids is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+    return env
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -145,13 +206,8 @@ class SGLangServer:
         return cmd + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.config.env)
-        if self.config.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        elif self.gpu_ids is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
-        return env
+        return server_environment(os.environ, self.config.env, device=self.config.device,
+                                  gpu_ids=self.gpu_ids)
 
     def start(self) -> None:
         if self.is_alive():

@@ -9,16 +9,23 @@ learner never imports the inference engine.
 from __future__ import annotations
 
 from datetime import timedelta
+from urllib.parse import urlparse
 
-from torch.distributed.distributed_c10d import (
-    Backend, PrefixStore, _new_process_group_helper, _world, rendezvous,
-)
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
 
 def new_side_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                    timeout: timedelta = timedelta(minutes=30)):
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    # Rank 0 hosts the store, whatever the environment says. torch's own tcp:// rendezvous obeys
+    # TORCHELASTIC_USE_AGENT_STORE, which torchrun sets to True in every worker: rank 0 would then
+    # open a client only, expecting torchrun's agent to host a store on this port, and the group
+    # would never form.
+    store = TCPStore(url.hostname, url.port, world_size, is_master=rank == 0, timeout=timeout,
+                     multi_tenant=True)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
                                       group_name=group_name, timeout=timeout)
