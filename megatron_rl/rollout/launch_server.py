@@ -51,33 +51,10 @@ def apply_patches() -> None:
     sglang_fixes.apply()
 
 
-def take_slurm_slot(argv: list[str], environ=os.environ) -> list[str]:
-    """Resolve `--slurm-slot` (see the module docstring): returns SGLang's arguments with this
-    server's port, and narrows CUDA_VISIBLE_DEVICES in `environ` to its GPUs (not on CPU)."""
-    if "--slurm-slot" not in argv:
-        return argv
-    from megatron_rl.rollout.placement import slot_on_node, visible_devices
-
-    argv = [a for a in argv if a != "--slurm-slot"]
-    if "SLURM_LOCALID" not in environ:
-        raise SystemExit("launch_server --slurm-slot: SLURM_LOCALID is not set (run it as an srun task)")
-    slot = int(environ["SLURM_LOCALID"])
-    tp = int(_flag(argv, "--tp-size") or 1)
-    port, gpus = slot_on_node(slot, tp, int(_flag(argv, "--port") or 30000),
-                              None if _device(argv) == "cpu" else visible_devices())
-    argv = [a for i, a in enumerate(argv)
-            if not (a.startswith("--port=") or a == "--port" or (i and argv[i - 1] == "--port"))]
-    argv += ["--port", str(port)]
-    if _device(argv) != "cpu":
-        environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    where = "CPU" if _device(argv) == "cpu" else f"GPUs {','.join(gpus)}"
-    print(f"[megatron-rl] server slot {slot} of node {environ.get('SLURMD_NODENAME', '?')}: {where}, "
-          f"TP {tp}, port {port}", flush=True)
-    return argv
-
-
 if __name__ == "__main__":
     # Before the patches import SGLang (and torch): the GPUs must be chosen before CUDA starts.
+    from megatron_rl.rollout.placement import take_slurm_slot
+
     sys.argv[1:] = take_slurm_slot(sys.argv[1:])
     if _device(sys.argv[1:]) == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"

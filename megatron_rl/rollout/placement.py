@@ -239,6 +239,32 @@ def slot_on_node(slot: int, tp: int, base_port: int,
     return base_port + slot * PORT_STRIDE, ids
 
 
+def take_slurm_slot(argv: list[str], environ=os.environ) -> list[str]:
+    """`launch_server --slurm-slot`: this process is server k = SLURM_LOCALID of its node. Returns
+    SGLang's arguments with its port (`--port` is the node's base) and narrows
+    CUDA_VISIBLE_DEVICES in `environ` to its GPUs (`slot_on_node`; not on CPU). Arguments
+    without the flag come back untouched."""
+    if "--slurm-slot" not in argv:
+        return argv
+    argv = [a for a in argv if a != "--slurm-slot"]
+    if "SLURM_LOCALID" not in environ:
+        raise SystemExit("launch_server --slurm-slot: SLURM_LOCALID is not set (run it as an srun task)")
+    slot = int(environ["SLURM_LOCALID"])
+    tp = int(flag_value(argv, _TP_FLAGS) or 1)
+    cpu = flag_value(argv, ("--device",)) == "cpu"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    port, gpus = slot_on_node(slot, tp, int(flag_value(argv, ("--port",)) or 30000),
+                              None if cpu or visible is None else [v.strip() for v in visible.split(",") if v.strip()])
+    argv = [a for i, a in enumerate(argv)
+            if not (a == "--port" or a.startswith("--port=") or (i and argv[i - 1] == "--port"))]
+    argv += ["--port", str(port)]
+    if not cpu:
+        environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    print(f"[megatron-rl] server slot {slot} of node {environ.get('SLURMD_NODENAME', '?')}: "
+          f"{'CPU' if cpu else 'GPUs ' + ','.join(gpus)}, TP {tp}, port {port}", flush=True)
+    return argv
+
+
 @dataclass(frozen=True)
 class ServerSlot:
     index: int  # position in rollout.server_urls
