@@ -83,9 +83,10 @@ class Rollouts:
                                     request_timeout=r.request_timeout, moe_topk=moe_topk)
         self._loop = asyncio.new_event_loop()
 
-    def _local_server_gpus(self) -> list[list[str]]:
+    def _local_server_gpus(self) -> Optional[list[list[str]]]:
         """Collective: the GPUs of rank 0's servers (rollout.gpu_ids), checked against the GPUs
-        the learner ranks on rank 0's node use (every rank reports host and device)."""
+        the learner ranks on rank 0's node use (every rank reports host and device); None on the
+        other ranks."""
         visible = placement.visible_devices()
         index = torch.cuda.current_device()
         mine = (socket.gethostname(), visible[index] if visible else str(index))
@@ -93,6 +94,8 @@ class Rollouts:
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
+        if not self.driver:
+            return None
         host = socket.gethostname()
         learner_gpus = {gpu for h, gpu in everyone if h == host}
         return placement.local_server_gpus(
