@@ -317,7 +317,13 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
         device = flag_value(args, ("--device",)) or "cuda"
     placement = check_placement(cfg, device)
     shape = model_shape(cfg)
-    group = f"learner rank 0 + {{n}} servers x TP {r.server_tp}"
+
+    def sync(n: int) -> str:
+        if r.weight_sync != "distributed":
+            return f"weight sync {r.weight_sync}"
+        return (f"weight sync distributed (group of {1 + n * r.server_tp}: learner rank 0 + {n} servers "
+                f"x TP {r.server_tp})")
+
     lines = []
     if placement == "local":
         if rollout_nodes:
@@ -325,8 +331,7 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
         fit = check_model_fits_server(shape, r.server_tp, server_ep(r.extra_server_args))
         where = device.upper() if device == "cpu" else "GPUs"
         lines.append(f"rollout servers: local -- rank 0 starts {r.num_servers} on its node ({where}), "
-                     f"TP {r.server_tp}, dp 1 each; weight sync {r.weight_sync} "
-                     f"({group.format(n=r.num_servers)}); model: {fit}")
+                     f"TP {r.server_tp}, dp 1 each; {sync(r.num_servers)}; model: {fit}")
         for i in range(r.num_servers):
             gpus = r.gpu_ids[i * r.server_tp:(i + 1) * r.server_tp] if device == "cuda" else None
             if gpus and gpus_per_node is not None and min(gpus) < gpus_per_node:
@@ -364,7 +369,7 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
                              "--enable-return-routed-experts: add it to ROLLOUT_ARGS")
         lines.append(f"rollout servers: disaggregated -- {len(slots)} on {len(nodes)} node(s), "
                      f"{len(slots) // len(nodes)} per node (GPUS_PER_NODE {gpus_per_node} / TP {r.server_tp}), "
-                     f"dp 1 each; weight sync {r.weight_sync} ({group.format(n=len(slots))}); model: {fit}")
+                     f"dp 1 each; {sync(len(slots))}; model: {fit}")
         for s in slots:
             lines.append(f"rollout server {s.index}: node {s.node} ({s.addr}), "
                          + (f"GPUs {','.join(s.gpus)}" if s.gpus else "CPU") + f", port {s.port} -> {s.url}")

@@ -105,7 +105,7 @@ LAUNCH = dict(gpus_per_node=8, rollout_nodes="gpu5=10.0.0.5", rollout_port=30000
 def test_dry_run_layout_of_the_launchers_servers():
     lines = placement.layout_report(job(URLS, "rollout.server_tp=4", "rollout.placement=disaggregated"), **LAUNCH)
     assert lines[0].startswith("rollout servers: disaggregated -- 2 on 1 node(s), 2 per node (GPUS_PER_NODE 8 "
-                               "/ TP 4), dp 1 each; weight sync distributed (learner rank 0 + 2 servers x TP 4)")
+                               "/ TP 4), dp 1 each; weight sync distributed (group of 9: learner rank 0 + 2 servers x TP 4)")
     assert lines[1:] == ["rollout server 0: node gpu5 (10.0.0.5), GPUs 0,1,2,3, port 30000 -> http://10.0.0.5:30000",
                          "rollout server 1: node gpu5 (10.0.0.5), GPUs 4,5,6,7, port 30016 -> http://10.0.0.5:30016"]
 
