@@ -4,7 +4,8 @@ Commands:
   demo [OVR]               the embedded default: RL on the tiny task (recipe tiny_cpu), CPU
   train RECIPE [OVR]       the RL trainer; under torchrun / srun every rank runs it
   train-lm RECIPE [OVR]    supervised warm-up run (same launch rules)
-  dry-run RECIPE [OVR]     validate the config and data, print it and the parallel layout; launch nothing
+  dry-run RECIPE [OVR]     validate the config and data, print it, the parallel layout and where the
+                           SGLang servers go (checked against the model); launch nothing
   plot RUN_DIR             metrics.jsonl -> RUN_DIR/curves.png
   compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
 """
@@ -18,10 +19,11 @@ import sys
 from megatron_rl.config.load import ConfigError, load_config, to_object
 
 
-def _dry_run(recipe: str, overrides: list[str], world_size: int | None) -> int:
+def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command: str, rollout: dict) -> int:
     from omegaconf import OmegaConf
 
     from megatron_rl.distributed.context import layout_sizes, smallest_world
+    from megatron_rl.rollout.placement import layout_report
 
     from megatron_rl.trainer.loop import validate
     from megatron_rl.trainer.prompts import check_data_files, check_model_path, load_examples
@@ -42,8 +44,15 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None) -> int:
         n_train = len(load_examples(job.data, "train"))
         n_eval = len(load_examples(job.data, "eval")) if job.data.eval_files else 0
         print(f"data: {n_train} training prompts, {n_eval} eval prompts")
+    if command == "train-lm":
+        servers = ["rollout servers: none (train-lm)"]
+    elif job.trainer.mode == "train_only":
+        servers = ["rollout servers: none (trainer.mode=train_only)"]
+    else:
+        servers = layout_report(job, **rollout)
     print(OmegaConf.to_yaml(cfg))
     print(f"hardware: {job.hardware}")
+    print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     return 0
 
@@ -100,6 +109,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 0)) or None,
                         help="world size assumed by dry-run (default: $WORLD_SIZE, else the recipe's "
                              "parallel.world_size, else the smallest world its layout fits)")
+    parser.add_argument("--command", dest="for_command", choices=["train", "train-lm"], default="train",
+                        help="dry-run: the command the config is for (train-lm starts no SGLang servers)")
+    launch = parser.add_argument_group(
+        "dry-run: the servers a launcher (slurm/megatron_rl.sbatch) starts, checked and printed")
+    launch.add_argument("--gpus-per-node", type=int, default=int(os.environ.get("GPUS_PER_NODE", 0)) or None,
+                        help="GPUs per node: learner ranks per learner node (rank k on GPU k), GPUs per "
+                             "rollout node (default: $GPUS_PER_NODE)")
+    launch.add_argument("--rollout-nodes", default=None, metavar="NAME=ADDR,...",
+                        help="nodes the launcher starts servers on (GPUS_PER_NODE / rollout.server_tp each); "
+                             "empty: it starts none; rollout.server_urls must be exactly their URLs")
+    launch.add_argument("--rollout-port", type=int, default=30000,
+                        help="first server port of a rollout node (server k: + 16 k)")
+    launch.add_argument("--rollout-args", default=None, metavar="'--device cuda ...'",
+                        help="further SGLang arguments of those servers (ROLLOUT_ARGS; give it as "
+                             "--rollout-args='...')")
     args = parser.parse_args(argv)
     try:
         extra = ([args.recipe] if args.recipe else []) + args.overrides
@@ -113,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             print(plot_run(args.recipe))
             return 0
         if args.command == "dry-run":
-            return _dry_run(args.recipe, args.overrides, args.world_size)
+            return _dry_run(args.recipe, args.overrides, args.world_size, args.for_command,
+                            dict(gpus_per_node=args.gpus_per_node, rollout_nodes=args.rollout_nodes,
+                                 rollout_port=args.rollout_port, rollout_args=args.rollout_args))
         if args.command == "train":
             return _train(args.recipe, args.overrides)
         return _train_lm(args.recipe, args.overrides)

@@ -126,27 +126,29 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """SGLang servers and sampling."""
+    """SGLang servers and sampling. Placements are described in megatron_rl/rollout/placement.py."""
 
-    server_urls: list[str] = field(default_factory=list)  # running servers; empty = rank 0 launches num_servers
-    num_servers: int = 1  # servers rank 0 launches when server_urls is empty
+    placement: str = "auto"  # local (rank 0 starts num_servers on its node) | disaggregated (servers at server_urls) | auto (disaggregated iff server_urls)
+    server_urls: list[str] = field(default_factory=list)  # running servers, one per data-parallel replica (dp_size 1 each); sbatch ROLLOUT_NODES sets them
+    num_servers: int = 1  # local: servers rank 0 starts on its node
+    gpu_ids: list[int] = field(default_factory=list)  # local on CUDA: server_tp GPUs per server, in order (rank 0's visible-device indices; no learner rank's GPU)
     device: str = "auto"  # auto (cuda if present) | cpu | cuda
-    dtype: str = "auto"  # SGLang --dtype; auto = the learner's dtype
-    server_tp: int = 1  # tensor-parallel size of each server
-    max_total_tokens: Optional[int] = None  # KV-cache cap per server (keeps CPU servers small)
-    mem_fraction_static: Optional[float] = None  # GPU memory share of each server
-    extra_server_args: list[str] = field(default_factory=list)  # passed verbatim to SGLang
+    dtype: str = "auto"  # SGLang --dtype of local servers; auto = the learner's dtype
+    server_tp: int = 1  # tensor-parallel size of each server (sbatch: ROLLOUT_TP); must equal each server's own tp_size
+    max_total_tokens: Optional[int] = None  # local: KV-cache cap per server (keeps CPU servers small)
+    mem_fraction_static: Optional[float] = None  # local: GPU memory share of each server
+    extra_server_args: list[str] = field(default_factory=list)  # local: passed verbatim to SGLang (sbatch servers: ROLLOUT_ARGS)
     prompts_per_step: int = 32  # prompt groups per training step
     n_samples: int = 8  # responses per prompt (the group for GRPO-style advantages)
     temperature: float = 1.0  # sampling temperature (log-probs use logits / temperature)
     top_p: float = 1.0  # nucleus sampling
     max_new_tokens: int = 16  # response budget
     top_k_logprobs: int = 0  # rollout top-K log-probs per token (20 for top-K divergences)
-    seeded: bool = True  # per-sample sampling seeds derived from trainer.seed and the step
+    seeded: bool = True  # per-sample sampling seeds derived from trainer.seed and the step (servers need --enable-deterministic-inference)
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups and generate more
     max_generation_rounds: int = 4  # bound on generation rounds per step with dynamic sampling
-    weight_sync: str = "distributed"  # distributed (process group) | tensor (same host) | disk
-    release_memory: bool = False  # colocated GPUs: release server memory while training
+    weight_sync: str = "distributed"  # distributed (process group: NCCL / gloo) | tensor (CPU servers on the learner's machine) | disk
+    release_memory: bool = False  # colocation on shared GPUs (release server memory while training): not implemented, true is refused
     request_timeout: float = 600.0  # seconds per generation request before retrying elsewhere
 
 

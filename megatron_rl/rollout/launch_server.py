@@ -6,6 +6,12 @@ takes SGLang's own server arguments and runs SGLang's HTTP server entry point
 (`sglang.launch_server`) with them. It applies `patches.sglang_fixes` (every device) and, with
 `--device cpu`, first `patches.sglang_cpu`.
 
+`--slurm-slot` (the sbatch script's disaggregated servers, several per node in one srun step):
+this process is server k = SLURM_LOCALID of its node. It serves on the node's GPUs
+[k·TP, (k+1)·TP) (of CUDA_VISIBLE_DEVICES when Slurm set it; CUDA_VISIBLE_DEVICES is narrowed to
+them before anything touches CUDA) and on port PORT + k·16 (`--port` is the node's base port);
+rollout/placement.py's `slot_on_node` is the rule, and the dry-run prints the same layout.
+
 Why a launcher module: SGLang runs its scheduler and detokenizer in children started with
 multiprocessing's *spawn*, which re-imports the parent's `__main__` module (as `__mp_main__`)
 in each child before unpickling anything. Applying the patches at this module's import time is
@@ -20,13 +26,17 @@ import signal
 import sys
 
 
-def _device(argv: list[str]) -> str | None:
+def _flag(argv: list[str], name: str) -> str | None:
     for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
+        if arg == name and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--device="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1]
     return None
+
+
+def _device(argv: list[str]) -> str | None:
+    return _flag(argv, "--device")
 
 
 def apply_patches() -> None:
@@ -41,8 +51,13 @@ def apply_patches() -> None:
     sglang_fixes.apply()
 
 
-if __name__ == "__main__" and _device(sys.argv[1:]) == "cpu":
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+if __name__ == "__main__":
+    # Before the patches import SGLang (and torch): the GPUs must be chosen before CUDA starts.
+    from megatron_rl.rollout.placement import take_slurm_slot
+
+    sys.argv[1:] = take_slurm_slot(sys.argv[1:])
+    if _device(sys.argv[1:]) == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 # Runs in the launching process and, through spawn's re-import of __main__, in every child.
 apply_patches()
 # SIGUSR1 is the learner's preemption signal (Slurm's --signal, `scancel -s USR1`), and srun

@@ -2,8 +2,10 @@
 
 Rank 0 drives generation (`RolloutClient` over the servers: retries, dead-server replacement, no
 sample lost or duplicated) and scores responses; the batch then goes to every learner rank.
-Servers come from `rollout.server_urls` (started by the launcher, e.g. on other nodes) or are
-started here by rank 0 on its own machine (`EngineManager`, which restarts dead ones).
+Servers come from `rollout.server_urls` (disaggregated: started by the launcher, e.g. on other
+nodes) or are started here by rank 0 on its own machine (local: `EngineManager`, which restarts
+dead ones; on GPUs only on `rollout.gpu_ids`). rollout/placement.py checks the placement before
+anything starts, and each server's own /server_info before the weight-update group is formed.
 Weight sync is a collective of all learner ranks (mbridge's export gathers the shards); rank 0
 sends the full tensors with the configured transport.
 """
@@ -25,16 +27,12 @@ from megatron_rl.algorithms.dapo import dynamic_sampling_keep
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.rewards import get_reward
+from megatron_rl.rollout import placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
+from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.trainer.prompts import Prompt
-from megatron_rl.weights.endpoint import ServerEndpoint
 from megatron_rl.weights.push import push_weights
-
-
-def server_device(cfg: JobConfig) -> str:
-    r = cfg.rollout
-    return r.device if r.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def server_dtype(cfg: JobConfig) -> str:
@@ -55,29 +53,53 @@ class Rollouts:
         self.moe_topk = moe_topk
         self.reward_fn = get_reward(cfg.data.reward)
         self._restarts_seen = 0
+        r = cfg.rollout
+        device = server_device(cfg)
+        where = placement.check_placement(cfg, device)
+        # Collective (every rank reports its GPU) before the non-drivers leave.
+        gpu_ids = self._local_server_gpus() if where == "local" and device == "cuda" else None
         if not self.driver:
             return
-        r = cfg.rollout
         urls = list(r.server_urls)
         if not urls:
             from megatron_rl.rollout.server import EngineManager, ServerConfig
 
             self.manager = EngineManager(
-                ServerConfig(model_path=str(hf_path), device=server_device(cfg), dtype=server_dtype(cfg),
+                ServerConfig(model_path=str(hf_path), device=device, dtype=server_dtype(cfg),
                              tp_size=r.server_tp, max_total_tokens=r.max_total_tokens,
                              mem_fraction_static=r.mem_fraction_static,
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
-                             enable_memory_saver=r.release_memory,
                              # Seeded sampling needs SGLang's deterministic mode (seeds are
                              # ignored without it).
                              extra_args=tuple(r.extra_server_args) + (
                                  ("--enable-deterministic-inference",)
                                  if r.seeded and "--enable-deterministic-inference" not in r.extra_server_args
                                  else ())),
-                r.num_servers, log_dir=out_dir / "server_logs").start()
+                r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
+        # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
+        # first request: a mismatch is one clear error here, not a rendezvous hang later.
+        placement.checked_endpoints(self.urls(), cfg)
         self.client = RolloutClient(self.manager if self.manager else urls,
                                     request_timeout=r.request_timeout, moe_topk=moe_topk)
         self._loop = asyncio.new_event_loop()
+
+    def _local_server_gpus(self) -> Optional[list[list[str]]]:
+        """Collective: the GPUs of rank 0's servers (rollout.gpu_ids), checked against the GPUs
+        the learner ranks on rank 0's node use (every rank reports host and device); None on the
+        other ranks."""
+        visible = placement.visible_devices()
+        index = torch.cuda.current_device()
+        mine = (socket.gethostname(), visible[index] if visible else str(index))
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        if not self.driver:
+            return None
+        host = socket.gethostname()
+        learner_gpus = {gpu for h, gpu in everyone if h == host}
+        return placement.local_server_gpus(
+            self.cfg, learner_gpus, visible or [str(i) for i in range(torch.cuda.device_count())])
 
     # ------------------------------------------------------------------------------------------
     def urls(self) -> list[str]:
@@ -163,7 +185,9 @@ class Rollouts:
     # ------------------------------------------------------------------------------------------
     def _make_transport(self, learner):
         r = self.cfg.rollout
-        servers = [ServerEndpoint(u, tp_size=r.server_tp) for u in self.urls()]
+        # The update group's size comes from the servers' own tp_size (checked against
+        # rollout.server_tp); a restarted server is asked again.
+        servers = placement.checked_endpoints(self.urls(), self.cfg)
         if r.weight_sync == "distributed":
             from megatron_rl.rollout.server import free_port
             from megatron_rl.weights.sync_distributed import DistributedWeightSync

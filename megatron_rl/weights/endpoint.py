@@ -1,4 +1,5 @@
-"""A rollout server's admin endpoint as the weight transports see it: a URL, its TP size, POST.
+"""A rollout server's admin endpoint as the weight transports see it: a URL, its TP size, POST,
+and its own account of its layout (GET /server_info).
 
 Kept to plain HTTP+JSON so the transports do not depend on the async rollout client.
 """
@@ -20,9 +21,18 @@ class ServerEndpoint:
     url: str  # e.g. http://127.0.0.1:30000
     tp_size: int = 1  # the server's tensor-parallel ranks (each joins the update group)
 
+    def server_info(self, timeout: float = 60.0) -> dict:
+        """SGLang's resolved server arguments and scheduler state (tp_size, dp_size, pp_size,
+        enable_deterministic_inference, ...; sglang 0.5.23's /server_info)."""
+        return self._request(urllib.request.Request(self.url.rstrip("/") + "/server_info", method="GET"),
+                             "/server_info", timeout)
+
     def post(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(payload or {}).encode(),
                                      headers={"Content-Type": "application/json"}, method="POST")
+        return self._request(req, path, timeout)
+
+    def _request(self, req: urllib.request.Request, path: str, timeout: float) -> dict:
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 body = resp.read()

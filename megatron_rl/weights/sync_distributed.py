@@ -4,6 +4,12 @@ The learner (rank 0 of the group) broadcasts each bucket as one flat byte tensor
 `flattened_bucket` load format) while each server, asked over HTTP, receives it and loads it.
 NCCL on GPU, gloo on CPU; servers may sit on other nodes. Every update runs inside
 begin/end_weight_update (SGLang refuses it otherwise) and ends with a cache flush.
+
+Group ranks: 0 is the learner; server i's TP rank t is 1 + (TP sizes of servers before i) + t
+(SGLang joins at rank_offset + tp_rank), so the world is 1 + the sum of the servers' TP sizes.
+Those sizes must be the servers' real ones (`ServerEndpoint.tp_size`, read from each server's
+/server_info by rollout/placement.py): a wrong count leaves the rendezvous waiting for ranks that
+never come. SGLang refuses all of this on a server with dp_size > 1: one server per replica.
 """
 
 from __future__ import annotations

@@ -10,8 +10,12 @@
     only the trainer's preemption contract, so this checks the launcher in seconds;
 (d) disaggregated SGLang: the script starts a real SGLang server on the second node, waits for it,
     passes rollout.server_urls to the ranks (the stand-in generates from it), and stops it;
-(e) the embedded default (`train tiny_cpu`, unchanged) as a job, DP=2 over two srun tasks, SGLang
-    colocated: it meets the demo's accuracy bar;
+(d') disaggregated SGLang with the RL trainer: two CPU servers on the rollout node (GPUS_PER_NODE=2,
+    ROLLOUT_TP=1: one server per replica, distinct ports), tiny_cpu for 3 steps on DP=2, weights
+    pushed through the gloo process group; the servers' own request logs show every prompt
+    answered exactly n times, both servers serving and both on each step's weight version;
+(e) the embedded default (`train tiny_cpu`, unchanged) as a job, DP=2 over two srun tasks, rank 0
+    starting SGLang beside them (local placement): it meets the demo's accuracy bar;
 (f) preemption end to end with the RL trainer (shrunk tiny_cpu, DP=2): USR1 mid-run ->
     checkpoint, requeue, resume; every step trained exactly once and every metric equal, bit for
     bit, to an uninterrupted run's.
@@ -205,8 +209,79 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
 
 
-# The RL trainer: `train tiny_cpu` with DP=2 (two srun tasks of distinct ranks), SGLang colocated
-# (rank 0 starts it).
+def served_requests(log: Path) -> list[dict]:
+    """Generation requests a server finished, from its `--log-requests --log-requests-format json`
+    lines: sampling seed, prompt ids, weight version (warm-up requests carry no seed)."""
+    out = []
+    for line in log.read_text().splitlines():
+        if '"event": "request.finished"' not in line:
+            continue
+        event = json.loads(line[line.index("{"):])
+        seed = event["obj"]["sampling_params"].get("sampling_seed")
+        if seed is not None:
+            out.append({"seed": seed, "prompt": tuple(event["obj"]["input_ids"]),
+                        "version": event["out"]["meta_info"]["weight_version"]})
+    return out
+
+
+def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
+    """ROLLOUT_NODES=1 with two servers on the rollout node (one per replica, dp 1 each) and the
+    real RL trainer (tiny_cpu, DP=2) for 3 steps, weights through the process group (gloo)."""
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+
+    steps, prompts, n = 3, 8, 4
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128)  # tiny_cpu's model, for both sides
+    run = tmp_path / "run"
+    jobid = submit(tmp_path, ["tiny_cpu", f"trainer.steps={steps}", f"rollout.prompts_per_step={prompts}",
+                              f"rollout.n_samples={n}", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
+                              "eval.num_prompts=0", "trainer.plot=false", f"model.hf_path={ckpt}",
+                              "rollout.weight_sync=distributed"],
+                   {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
+                    "ROLLOUT_PORT": "30617",
+                    "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
+                                    "--enable-deterministic-inference --log-requests --log-requests-level 2 "
+                                    "--log-requests-format json"},
+                   ("--nodes=2", "--ntasks-per-node=2"))
+    info = wait_for(jobid, tmp_path, timeout=900)
+    log = job_log(tmp_path, jobid)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    learner_node, rollout_node = hostnames(info["NodeList"])
+    urls = ["http://127.0.0.1:30617", "http://127.0.0.1:30633"]  # ROLLOUT_PORT + 16k on NodeAddr 127.0.0.1
+    # The dry-run printed the layout it checked; the script started exactly that.
+    for k, url in enumerate(urls):
+        assert f"rollout server {k}: node {rollout_node} (127.0.0.1), CPU, port {url[-5:]} -> {url}" in log, log
+    assert f"SGLang servers up: {','.join(urls)}" in log, log
+    logs = run / "logs" / f"{jobid}.0"
+    assert_two_ranks(run, jobid, log)
+    served = {}
+    for k, url in enumerate(urls):
+        text = (logs / f"server{k}-{HOST}.log").read_text()
+        assert f"server slot {k} of node {rollout_node}: CPU, TP 1, port {url[-5:]}" in text, text[-3000:]
+        # Each server joined the update group of learner rank 0 + 2 servers x TP 1 at its own rank.
+        assert f"rank_offset={k + 1}, rank={k + 1}, world_size=3" in text, text[-3000:]
+        served[url] = served_requests(logs / f"server{k}-{HOST}.log")
+    rows = rl_rows(run)
+    assert [r["step"] for r in rows] == list(range(steps)) and all(r["rollout/retries"] == 0 for r in rows), rows
+    for step in range(steps):
+        # Step s generates on weight version s (pushed after step s-1; "0" at the start).
+        both = [r for reqs in served.values() for r in reqs if r["version"] == str(step)]
+        assert all(any(r["version"] == str(step) for r in reqs) for reqs in served.values()), \
+            f"step {step}: not every server answered on weight version {step}"
+        # Sample j of prompt i carries seed base + i*n + j: each of the step's prompts x n seeds
+        # was answered exactly once, and the n answers of a prompt share its prompt ids.
+        seeds = sorted(r["seed"] for r in both)
+        assert seeds == list(range(seeds[0], seeds[0] + prompts * n)), (step, seeds)
+        by_prompt = {}
+        for r in both:
+            by_prompt.setdefault((r["seed"] - seeds[0]) // n, set()).add(r["prompt"])
+        assert len(by_prompt) == prompts and all(len(p) == 1 for p in by_prompt.values()), by_prompt
+    # Nothing was answered on a version the trainer did not ask for.
+    assert {r["version"] for reqs in served.values() for r in reqs} == {str(s) for s in range(steps)}
+    assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
+
+
+# The RL trainer: `train tiny_cpu` with DP=2 (two srun tasks of distinct ranks), SGLang started by
+# rank 0 beside them (local placement).
 def rl_rows(run: Path) -> list[dict]:
     """Training rows of metrics.jsonl (evaluation-only rows have no rollout/ metrics)."""
     metrics = run / "metrics.jsonl"
@@ -225,8 +300,8 @@ def assert_two_ranks(run: Path, jobid: str, log: str) -> None:
 
 
 def test_tiny_cpu_demo_meets_the_demo_bar_under_slurm(slurm_cluster, tmp_path):
-    """The embedded default, unchanged, as an sbatch job: DP=2 over two srun tasks, SGLang
-    colocated; train accuracy from <= 20 % to >= 80 % (the demo's bar), curves plotted."""
+    """The embedded default, unchanged, as an sbatch job: DP=2 over two srun tasks, SGLang started
+    by rank 0; train accuracy from <= 20 % to >= 80 % (the demo's bar), curves plotted."""
     run = tmp_path / "run"
     jobid = submit(tmp_path, ["tiny_cpu"], {})
     info = wait_for(jobid, tmp_path, timeout=1800)

@@ -106,10 +106,16 @@ def paper_inputs(tmp_path_factory):
         pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
     pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows]),
                    root / "data" / "ultrafeedback-prompts.parquet")
-    for name in ("Qwen3-30B-A3B-Base", "Qwen3-30B-A3B", "Qwen3-8B-Base", "Qwen3-4B-Instruct-2507",
-                 "Skywork-Reward-V2-Qwen3-4B"):
+    # The shapes the dry-run checks the servers' TP against (the published configs' values).
+    moe = {"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+           "moe_intermediate_size": 768, "intermediate_size": 6144}
+    qwen3_4b = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 9728}
+    for name, shape in (("Qwen3-30B-A3B-Base", moe), ("Qwen3-30B-A3B", moe),
+                        ("Qwen3-8B-Base", {"num_attention_heads": 32, "num_key_value_heads": 8,
+                                           "intermediate_size": 12288}),
+                        ("Qwen3-4B-Instruct-2507", qwen3_4b), ("Skywork-Reward-V2-Qwen3-4B", qwen3_4b)):
         (root / "models" / name).mkdir(parents=True)
-        (root / "models" / name / "config.json").write_text("{}")
+        (root / "models" / name / "config.json").write_text(json.dumps(shape))
     return root
 
 
