@@ -43,13 +43,15 @@ def main(argv: list[str]) -> int:
 
     from megatron_rl.models.tiny import make_tiny_checkpoint
     from megatron_rl.rollout.server import EngineManager, ServerConfig
+    from megatron_rl.trainer.rollouts import server_extra_args
 
     out.mkdir(parents=True, exist_ok=True)
     ckpt = make_tiny_checkpoint(out / "server_model", **vars(job.model.tiny))
     runs: dict[str, list[Path]] = {}
     r = job.rollout
+    # The runs' seeded sampling needs the server's deterministic mode (server_extra_args).
     with EngineManager(ServerConfig(model_path=str(ckpt), dtype="float32", max_total_tokens=r.max_total_tokens,
-                                    extra_args=tuple(r.extra_server_args)), 1, log_dir=out / "server_logs") as mgr:
+                                    extra_args=server_extra_args(job)), 1, log_dir=out / "server_logs") as mgr:
         for a in algorithms:
             for seed in range(args.seeds):
                 run_dir = out / a / f"seed{seed}"

@@ -122,6 +122,10 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"model.spec={cfg.model.spec!r}; valid: {', '.join(SPECS)}")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
+    if cfg.trainer.mode != "train_only":  # train_only contacts no server
+        from megatron_rl.rollout.placement import check_placement
+
+        check_placement(cfg)
 
 
 class Trainer:

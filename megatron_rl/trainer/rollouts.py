@@ -43,6 +43,14 @@ def server_dtype(cfg: JobConfig) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16"}[resolve_dtype(cfg.model.dtype)]
 
 
+def server_extra_args(cfg: JobConfig) -> tuple[str, ...]:
+    """SGLang arguments of servers started for this config: rollout.extra_server_args, plus the
+    deterministic mode that seeded sampling needs (SGLang ignores the seeds without it)."""
+    r = cfg.rollout
+    flag = "--enable-deterministic-inference"
+    return tuple(r.extra_server_args) + ((flag,) if r.seeded and flag not in r.extra_server_args else ())
+
+
 class Rollouts:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, hf_path: Path, tokenizer,
                  out_dir: Path, moe_topk: Optional[int]):
@@ -69,12 +77,7 @@ class Rollouts:
                              tp_size=r.server_tp, max_total_tokens=r.max_total_tokens,
                              mem_fraction_static=r.mem_fraction_static,
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
-                             # Seeded sampling needs SGLang's deterministic mode (seeds are
-                             # ignored without it).
-                             extra_args=tuple(r.extra_server_args) + (
-                                 ("--enable-deterministic-inference",)
-                                 if r.seeded and "--enable-deterministic-inference" not in r.extra_server_args
-                                 else ())),
+                             extra_args=server_extra_args(cfg)),
                 r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
         # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
         # first request: a mismatch is one clear error here, not a rendezvous hang later.

@@ -128,6 +128,23 @@ def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):
     assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == list(range(stopped_at + 2))
 
 
+def test_server_layout_checked_against_the_config(server_url):
+    """Before the weight-update group forms, each server's own /server_info is checked: the group
+    is sized from its real TP, and a server that cannot serve the config is refused by name."""
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.rollout.placement import checked_endpoints
+
+    def cfg(*overrides):
+        return to_object(load_config("tiny_cpu", [f"rollout.server_urls=[{server_url}]", *overrides]))
+
+    (ep,) = checked_endpoints([server_url], cfg())
+    assert ep.tp_size == 1 and ep.url == server_url
+    with pytest.raises(ValueError, match=f"{server_url} runs tp_size=1 .* rollout.server_tp=2"):
+        checked_endpoints([server_url], cfg("rollout.server_tp=2"))
+    with pytest.raises(ValueError, match="--enable-return-routed-experts"):
+        checked_endpoints([server_url], cfg("algorithm.router_replay=r3"))
+
+
 def test_overlong_shaping_and_filter_through_the_loop(server_url, tmp_path):
     """DAPO's overlong punishment and overlong filter in the loop, against a float64 reference on
     the saved rollout batch: the penalty from each response's length, the shaped rewards, and the
