@@ -62,6 +62,14 @@ def cuda() -> bool:
     return device() == "cuda"
 
 
+def ctx_device() -> str:
+    """The device the package's ParallelContext names (and `describe()` prints): cuda on the GPU,
+    and also in the CPU dry run when the suite-wide device check is on (tests/conftest.py sets
+    MRL_DEVICE_CHECK=1; patches/device_check.py then simulates GPU placement on CPU and fails
+    where CUDA/NCCL would); cpu otherwise."""
+    return "cuda" if cuda() or os.environ.get("MRL_DEVICE_CHECK") == "1" else "cpu"
+
+
 def gpu_dir() -> Path:
     return Path(os.environ.get("MRL_GPU_DIR", REPO / ".gpu"))
 
@@ -199,8 +207,8 @@ def start_group():
         raise RuntimeError("MRL_GPU_SUITE_DEVICE=cuda but torch sees no CUDA device")
     ctx = init_distributed(ParallelConfig())
     want = "nccl" if cuda() else "gloo"
-    if dist.get_backend() != want or ctx.device.type != device():
-        raise RuntimeError(f"expected backend {want} on {device()}, got {dist.get_backend()} on {ctx.device}")
+    if dist.get_backend() != want or ctx.device.type != ctx_device():
+        raise RuntimeError(f"expected backend {want} on {ctx_device()}, got {dist.get_backend()} on {ctx.device}")
     return ctx
 
 

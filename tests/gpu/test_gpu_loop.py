@@ -153,7 +153,7 @@ def _stop_step(runs) -> int:
 
 def test_every_run_on_the_expected_device(runs):
     for log in ("straight_log", "stop_log", "resume_log"):
-        assert f"device={gpu_common.device()}" in runs[log], runs[log][-3000:]
+        assert f"device={gpu_common.ctx_device()}" in runs[log], runs[log][-3000:]
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_zero(runs):
