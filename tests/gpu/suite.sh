@@ -71,6 +71,9 @@ case "$cmd" in
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
       "$MRL_GPU_DIR"/wheels/*.whl || exit 1
     export PYTHONPATH=$REPO:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    # One machine: gloo groups (megatron-core makes some beside NCCL's; the vocab-parallel test's
+    # thread ranks) bind to loopback instead of resolving the host name.
+    export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
     run_pytest cuda "$@"
     ;;
   dry-run)

@@ -4,9 +4,11 @@ parameters with fp32 main grads, against transformers on the same device.
 Logits tolerance. Both models compute in bf16 with fp32 accumulation, in different op orders
 (fused QKV, Megatron's unfused softmax attention vs transformers' SDPA, other reduction orders),
 so neither is "right": the reference is transformers in fp32 on the same device, and Megatron in
-bf16 must be within 2x transformers' own bf16 error of it (+ 1e-3 for rounding at tiny errors),
-for the max and the mean |Δ log-softmax| and for the loss. A mapping or kernel error is O(1);
-bf16 rounding (unit roundoff 2^-8) gives ~1e-2. Megatron in fp32 must match transformers in fp32 to
+bf16 must be within 4x transformers' own bf16 error of it (+ 1e-3 for rounding at tiny errors),
+for the max and the mean |Δ log-softmax| and for the loss. 4x, not 1x: Megatron's local attention
+rounds the scores to bf16 before its fp32 softmax, where SDPA keeps them in fp32. bf16 rounding
+(unit roundoff 2^-8) gives ~1e-2; a mapping or kernel error is O(1) (seen: a garbage rotary
+buffer moved the log-softmax by 0.3, 55x transformers' bf16 error, on the CPU dry run's model). Megatron in fp32 must match transformers in fp32 to
 2e-4 (fp32 rounding, different op order; TF32 stays off, torch's default), which checks the weight
 mapping itself.
 """
@@ -177,8 +179,10 @@ def test_logits_and_loss_match_transformers_within_bf16_tolerance(dense):
         "megatron_bf16": meg, "hf_bf16": hf, "megatron_fp32": meg32}})
     assert meg32["max"] <= 2e-4, meg32  # the mapping: fp32 against fp32
     for k in ("max", "mean"):
-        assert meg[k] <= 2 * hf[k] + 1e-3, (k, meg, hf)
-    assert abs(meg["loss"] - meg["loss_ref"]) <= 2 * abs(hf["loss"] - hf["loss_ref"]) + 1e-3, (meg, hf)
+        assert meg[k] <= 4 * hf[k] + 1e-3, (k, meg, hf)
+    # The loss is a mean: transformers' own error may cancel to ~0 by chance, hence a 5e-3 floor
+    # (the loss is ~log V = 9; a wrong weight moves it by O(0.1)).
+    assert abs(meg["loss"] - meg["loss_ref"]) <= 4 * abs(hf["loss"] - hf["loss_ref"]) + 5e-3, (meg, hf)
 
 
 def test_optimizer_steps_lower_the_loss_with_finite_grads(dense):
