@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench clean gpu-prepare gpu-dry-run
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
+
+# The GPU smoke suite (docs/gpu.md): prepare its wheels and saved rollouts here, dry-run it on CPU;
+# on the GPU machine: tests/gpu/suite.sh run. `make test` never collects tests/gpu (pyproject addopts).
+gpu-prepare: $(STAMP)
+	PY=$(abspath $(PY)) bash tests/gpu/suite.sh prepare
+
+gpu-dry-run: $(STAMP)
+	PY=$(abspath $(PY)) bash tests/gpu/suite.sh dry-run
 
 clean:
 	rm -rf $(VENV)

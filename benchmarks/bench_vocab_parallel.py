@@ -1,4 +1,5 @@
-"""Benchmark: vocab-parallel log-probs and divergences on CPU over gloo (TP=2 processes).
+"""Benchmark: vocab-parallel log-probs and divergences on CPU over gloo (TP=2 processes), or on
+one GPU (--device cuda: one process, TP=1, NCCL; tests/gpu runs it at Qwen3's V = 151936).
 
 For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per rank:
   (a) log pi(a_t) only                          vocab_parallel_policy_stats, forward + backward
@@ -22,15 +23,19 @@ Peak memory: the PyTorch profiler with profile_memory=True records every CPU-all
 allocation and free made by torch ops (sizes and timestamps); the running sum of those events gives
 the peak of live bytes allocated during the measured call on top of what existed before (inputs
 excluded, outputs and the gradient of the logits included). Compared with one fp32
-[chunk, V_local] scratch buffer.
+[chunk, V_local] scratch buffer. On CUDA the same quantity is the caching allocator's
+max_memory_allocated during the call minus memory_allocated before it; times there are taken
+between torch.cuda.synchronize() calls.
 
     .venv/bin/python benchmarks/bench_vocab_parallel.py            # T=4096, V_local 16384, 75968
     .venv/bin/python benchmarks/bench_vocab_parallel.py --vocab 16384 --reps 9 --pairs 201
+    python3 benchmarks/bench_vocab_parallel.py --device cuda --tp 1 --vocab 151936 --reps 10 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -66,7 +71,19 @@ VARIANTS = {
 }
 
 
-def _peak_bytes(fn) -> int:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_bytes(fn, device: torch.device = torch.device("cpu")) -> int:
+    if device.type == "cuda":
+        _sync(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -79,15 +96,17 @@ def _peak_bytes(fn) -> int:
     return top
 
 
-def _timed(make_run, reps: int, group) -> float:
+def _timed(make_run, reps: int, group, device: torch.device = torch.device("cpu")) -> float:
     """Min over reps of the slowest rank's time of make_run()() (make_run itself is untimed)."""
     best = float("inf")
     for _ in range(reps):
         fn = make_run()
+        _sync(device)
         dist.barrier(group)
         t0 = time.perf_counter()
         fn()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        _sync(device)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets the pace
         best = min(best, dt.item())
     return best
@@ -112,21 +131,32 @@ def _naive(logits, target, rollout_logp, topk_ids, topk_logp, group, world):
 
 
 def worker(rank, world, args):
+    """One rank of the CPU run (spawned, gloo already up): set Megatron's TP group, measure."""
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     megatron_error = None
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     except Exception as e:  # report what stands in the way instead of hiding it
         megatron_error = f"{type(e).__name__}: {e}"
+    return measure(rank, world, args, megatron_error)
+
+
+def measure(rank, world, args, megatron_error=None):
+    """Every variant on this rank's shard; torch.distributed and (unless megatron_error says why
+    not) Megatron's TP group of `world` ranks are set up by the caller. Tensors live on
+    args.device (default cpu)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    device = torch.device(getattr(args, "device", "cpu"))
     group = dist.group.WORLD
     rows = []
     for v_local in args.vocab:
-        g = torch.Generator().manual_seed(1000 + rank)
+        # Drawn on the device itself: at V = 151936 the logits are GBs.
+        g = torch.Generator(device=device).manual_seed(1000 + rank)
         T, K = args.tokens, args.k
-        logits = torch.randn(T, v_local, generator=g) * 3
+        logits = torch.randn(T, v_local, generator=g, device=device) * 3
         gen = torch.Generator().manual_seed(7)  # same targets / rollout data on every rank
         target = torch.randint(0, v_local * world, (T,), generator=gen)
         rollout_logp = -torch.rand(T, generator=gen) * 5
@@ -140,6 +170,8 @@ def worker(rank, world, args):
             topk_ids[bad, 1:] = torch.randint(0, v_local * world, (len(bad), K - 1), generator=gen)
         topk_logp = torch.sort(-torch.rand(T, K, generator=gen) * 8, dim=-1, descending=True)[0]
         grad_out = torch.randn(T, generator=gen)
+        target, rollout_logp, topk_ids, topk_logp, grad_out = (
+            t.to(device) for t in (target, rollout_logp, topk_ids, topk_logp, grad_out))
         divs = {"a": (), "b": ("binary_tv", "binary_kl"),
                 "c": ("binary_tv", "binary_kl", "topk_tv", "topk_kl")}
 
@@ -191,13 +223,13 @@ def worker(rank, world, args):
             names = list(runs)
             random.Random(rep).shuffle(names)
             for name in names:
-                times[name].append(_timed(runs[name], 1, group))
+                times[name].append(_timed(runs[name], 1, group, device))
         if v_local <= args.naive_max_vocab:
             # Timed apart, a few times: its gigabytes of allocations would disturb the others,
             # and its ratio to (c) is far from 1.
             runs["d", "fwd"] = lambda: (lambda: _naive(
                 logits, target, rollout_logp, topk_ids, topk_logp, group, world))
-            times["d", "fwd"] = [_timed(runs["d", "fwd"], 1, group) for _ in range(min(3, args.reps))]
+            times["d", "fwd"] = [_timed(runs["d", "fwd"], 1, group, device) for _ in range(min(3, args.reps))]
         for (key, measure), ts in times.items():
             row.setdefault(key, {})[measure] = min(ts)
             row[key]["all_" + measure] = ts
@@ -208,13 +240,14 @@ def worker(rank, world, args):
         for rep in range(args.pairs):
             for key in ("b_inplace", "c_inplace"):
                 order = ("a_inplace", key) if rep % 2 == 0 else (key, "a_inplace")
-                t = {k: _timed(runs[k, "fwd_bwd"], 1, group) for k in order}
+                t = {k: _timed(runs[k, "fwd_bwd"], 1, group, device) for k in order}
                 pairs.setdefault(key, []).append(t[key] / t["a_inplace"])
         row["pairs"] = pairs
         for (key, measure), make in runs.items():
-            row[key]["mem_" + measure] = _peak_bytes(make())
+            row[key]["mem_" + measure] = _peak_bytes(make(), device)
         row["buffer_bytes"] = min(args.chunk, T) * v_local * 4
         row["grad_bytes"] = T * v_local * 4
+        row["tp"] = world
         rows.append(row)
     return {"rows": rows, "megatron_error": megatron_error}
 
@@ -241,8 +274,9 @@ def _fmt_table(res) -> str:
         out.append(f"megatron-core could not be set up: {res['megatron_error']}\n")
     for row in res["rows"]:
         buf = row["buffer_bytes"]
+        tp = row.get("tp", 2)
         out.append(
-            f"### T={row['tokens']}, V_local={row['v_local']} (TP=2, V={2 * row['v_local']}), "
+            f"### T={row['tokens']}, V_local={row['v_local']} (TP={tp}, V={tp * row['v_local']}), "
             f"fp32, chunk={row['chunk']} (one fp32 [chunk, V_local] buffer = {buf / mb:.0f} MiB)\n"
         )
         out.append("| variant | fwd s | fwd+bwd s | fwd+bwd / (a) | peak extra fwd MiB | "
@@ -295,6 +329,50 @@ def _fmt_table(res) -> str:
     return "\n".join(out)
 
 
+def summary(res) -> dict:
+    """The figures of each row as plain numbers (ms, MiB) for a JSON record."""
+    mib = 2.0**20
+    out = {"megatron_error": res["megatron_error"], "rows": []}
+    for row in res["rows"]:
+        r = {"tokens": row["tokens"], "v_local": row["v_local"], "tp": row.get("tp", 2), "chunk": row["chunk"],
+             "buffer_mib": row["buffer_bytes"] / mib, "grad_mib": row["grad_bytes"] / mib, "variants": {}}
+        for key, name in VARIANTS.items():
+            if key in row:
+                v = row[key]
+                r["variants"][key] = {"name": name, **{f"{m}_ms": v[m] * 1e3 for m in ("fwd", "fwd_bwd") if m in v},
+                                      **{f"peak_extra_{m}_mib": v["mem_" + m] / mib for m in ("fwd", "fwd_bwd")
+                                         if "mem_" + m in v}}
+        out["rows"].append(r)
+    return out
+
+
+def _run_cuda(args):
+    """One process on one GPU: NCCL with a world of one (Megatron's TP group of size 1)."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+
+    if args.tp != 1:
+        raise SystemExit("--device cuda runs one process on one GPU: use --tp 1 (NCCL refuses two ranks per GPU)")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(minutes=10))
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        return measure(0, 1, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096)
@@ -307,12 +385,22 @@ def main(argv=None):
                    help="then time (a) next to (b) and to (c) this many times (inplace path)")
     p.add_argument("--naive-max-vocab", type=int, default=10**9,
                    help="skip (d) above this local vocab (it needs ~4 full-vocab copies)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (cuda: 1)")
+    p.add_argument("--json", help="also write the figures (ms, MiB) to this file")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    res = run_distributed(worker, 2, args, timeout=1800)[0]
+    if args.device == "cuda":
+        res = _run_cuda(args)
+        where = torch.cuda.get_device_name(0)
+    else:
+        res = run_distributed(worker, args.tp, args, timeout=1800)[0]
+        where = f"{os.cpu_count()} CPUs, 1 intra-op thread per rank"
     print(_fmt_table(res))
-    print(f"(total wall time {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, 1 intra-op thread per rank)")
+    print(f"(total wall time {time.perf_counter() - t0:.0f} s, torch {torch.__version__}, {where})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary(res), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""(d) Learner throughput and MFU on one H100 with the local (non-TE) layer spec: a Qwen3-1.7B-shaped
+dense model and a small Qwen3-MoE-shaped model, random weights (Megatron's own init; only the HF
+config is written), bf16 params, fp32 grads and Adam, one optimizer step per global batch through
+`Learner.train_step` (Megatron's schedule, the vocab-parallel NLL over every token).
+
+FLOPs per token (training = 3 x forward, PaLM's convention, Chowdhery et al. 2022, App. B):
+    6 * N_active + 12 * L * n_heads * head_dim * S
+N_active = the matmul weights one token passes through: per layer Q, K, V, O projections and the
+MLP (MoE: the router and the top-k experts), plus the LM head (V x h; with tied embeddings the one
+matrix counts once, as the head). The attention term counts the full S x S score and value
+products (not halved for causality), as the local spec computes them. MFU = tokens/s x FLOPs per
+token / 989e12, the H100 SXM's dense bf16 peak (NVIDIA's datasheet figure without sparsity).
+The local spec runs unfused attention and sequential experts, so these figures are the local
+spec's, not Transformer Engine's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import gpu_common
+
+H100_BF16_PEAK = 989e12
+MODELS = {
+    "cuda": {
+        # Qwen3-1.7B: 28 layers, h 2048, 16 heads (8 KV) x 128, MLP 6144, tied embeddings
+        "dense_1p7b": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                                   head_dim=128, tie_word_embeddings=True),
+                           seq=2048, batch=8, micro_batch=2),
+        # Qwen3-30B-A3B's layer (h 2048, 32 heads (4 KV) x 128, experts of 768, top-8), 8 layers
+        # and 32 experts: ~2.0B parameters, ~0.76B active per token
+        "moe_small": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                  num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                                  head_dim=128, num_experts=32, num_experts_per_tok=8,
+                                  moe_intermediate_size=768, tie_word_embeddings=False),
+                          seq=2048, batch=8, micro_batch=2),
+    },
+    "cpu": {
+        "dense_1p7b": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   tie_word_embeddings=True),
+                           seq=64, batch=4, micro_batch=2),
+        "moe_small": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False),
+                          seq=64, batch=4, micro_batch=2),
+    },
+}
+WARMUP = {"cuda": 2, "cpu": 1}  # torch.compile (megatron-core's jit_fuser) compiles in the first steps
+TIMED = {"cuda": 4, "cpu": 2}
+
+
+def flops_per_token(hf: dict, seq: int) -> tuple[float, int]:
+    """(training FLOPs per token, N_active) for a Qwen3 / Qwen3-MoE config dict (see the docstring)."""
+    h, L = hf["hidden_size"], hf["num_hidden_layers"]
+    q, kv = hf["num_attention_heads"] * hf["head_dim"], hf["num_key_value_heads"] * hf["head_dim"]
+    attn = h * q + 2 * h * kv + q * h
+    if "num_experts" in hf:
+        mlp = hf["num_experts_per_tok"] * 3 * h * hf["moe_intermediate_size"] + h * hf["num_experts"]
+    else:
+        mlp = 3 * h * hf["intermediate_size"]
+    n_active = L * (attn + mlp) + hf["vocab_size"] * h
+    return 6 * n_active + 12 * L * q * seq, n_active
+
+
+def _write_config(path: Path, hf: dict) -> Path:
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_dropout=0.0)
+    if "num_experts" in hf:
+        config = Qwen3MoeConfig(**common, **hf, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                router_aux_loss_coef=0.0)
+    else:
+        config = Qwen3Config(**common, **hf)
+    config.save_pretrained(path)
+    return path
+
+
+def throughput_worker(name: str, spec: dict) -> dict:
+    import torch
+
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.models.bridge import build_model_chunks
+
+    class RandomInitLearner(Learner):
+        """Megatron's own random init: a throughput run needs no checkpoint (only its config)."""
+
+        def _build_chunks(self):
+            return build_model_chunks(self.bridge, self.ctx)
+
+    dev = gpu_common.device()
+    hf = _write_config(Path(tempfile.mkdtemp()) / name, spec["hf"])
+    ctx = gpu_common.start_group()
+    cfg = to_object(load_config("tiny_cpu", [
+        f"model.hf_path={hf}", "model.spec=local", "model.dtype=bfloat16", "optim.lr=1e-5",
+        f"learner.micro_batch_size={spec['micro_batch']}"]))
+    learner = RandomInitLearner(cfg, ctx, run_dir=str(hf.parent))
+    params = sum(p.numel() for c in learner.model for p in c.parameters())
+    B, S = spec["batch"], spec["seq"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec["hf"]["vocab_size"], (B, S), generator=g)
+    batch = dict(input_ids=ids, labels=torch.roll(ids, -1, 1), loss_mask=torch.ones(B, S))
+    times, losses = [], []
+    for _ in range(WARMUP[dev] + TIMED[dev]):
+        gpu_common.synchronize()
+        t0 = time.perf_counter()
+        m = learner.train_step(batch)
+        gpu_common.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(m["loss"])
+    step = statistics.median(times[WARMUP[dev]:])
+    fpt, n_active = flops_per_token(spec["hf"], S)
+    tokens_per_s = B * S / step
+    out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
+               seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
+               mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses)
+    if dev == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+@pytest.mark.parametrize("name", ["dense_1p7b", "moe_small"])
+def test_learner_throughput_and_mfu(name):
+    spec = MODELS[gpu_common.device()][name]
+    out = gpu_common.run_isolated(throughput_worker, name, spec, timeout=480)
+    gpu_common.record("d_throughput", {name: {**out, "peak_tflops_assumed": H100_BF16_PEAK / 1e12,
+                                              "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token"}})
+    print(f"{name}: {out['params'] / 1e9:.2f}B params, {out['tokens_per_s']:.0f} tokens/s, MFU {out['mfu']:.3f}")
+    if gpu_common.cuda():
+        # The shapes are the named ones: a config mapping error would change the parameter count.
+        expected = {"dense_1p7b": (1.6e9, 1.8e9), "moe_small": (1.9e9, 2.2e9)}[name]
+        assert expected[0] < out["params"] < expected[1], out["params"]
+    assert all(t > 0 for t in out["all_step_s"]) and 0 < out["mfu"] < 1, out
+    assert all(l == l and l < 1e3 for l in out["losses"]), out["losses"]  # finite training losses
