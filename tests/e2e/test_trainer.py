@@ -88,12 +88,14 @@ def test_exact_resume_after_kill9(server_url, tmp_path):
     straight = tmp_path / "straight"
     run(straight, server_url, "trainer.steps=6")
     killed = tmp_path / "killed"
+    # Its own process group, killed whole: a lost node takes the trainer's helper processes
+    # (multiprocessing children) down with it, and none is left orphaned behind the test.
     proc = subprocess.Popen(cli(killed, server_url, "trainer.steps=6", "trainer.save_every=1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for_checkpoint(killed, 3, proc)
-        proc.send_signal(signal.SIGKILL)
     finally:
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     assert [r["step"] for r in read_metrics(killed) if r["step"] >= 0][:3] == [0, 1, 2]
     out = run(killed, server_url, "trainer.steps=6", "trainer.save_every=1")
