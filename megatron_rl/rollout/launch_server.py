@@ -26,17 +26,10 @@ import signal
 import sys
 
 
-def _flag(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def _device(argv: list[str]) -> str | None:
-    return _flag(argv, "--device")
+    from megatron_rl.rollout.placement import flag_value  # no torch at import: safe before CUDA
+
+    return flag_value(argv, ("--device",))
 
 
 def apply_patches() -> None:
