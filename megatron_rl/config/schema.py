@@ -242,6 +242,8 @@ class TrainerConfig:
     tensorboard: bool = False  # also log to TensorBoard (out_dir/tb)
     wandb: bool = False  # also log to Weights & Biases (offline unless configured)
     wandb_project: str = "megatron-rl"
+    rollout_wait_timeout: float = 7200.0  # seconds a rank waits for its group leader's rollouts before failing
+    rollout_wait_log_every: float = 300.0  # seconds between a waiting rank's log lines (time waited, leader's progress)
 
 
 @dataclass

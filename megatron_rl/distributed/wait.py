@@ -1,0 +1,181 @@
+"""A leader rank's long job and the ranks that wait for it, outside any collective.
+
+One data-parallel "leader" rank per model-parallel group generates that group's rollouts against
+the SGLang servers (minutes to an hour at 16k-token responses) while the other ranks of the group
+have nothing to do. Waiting inside a collective (`broadcast_object_list`) is killed by the NCCL
+watchdog (or gloo's timeout) after the process group's timeout, 10-30 minutes. Here the waiters
+instead poll keys on the default process group's c10d store (the TCPStore every rank already
+reaches) with a short sleep, and only enter the collective that hands out the rollouts once the
+leader has said it is done:
+
+    leader:   sig.post_progress(key, "1234/4096 samples") ... sig.post_done(key)   then broadcast
+    waiters:  sig.wait(key)                                                       then broadcast
+
+Per key the leader writes two store entries, `<prefix>/<key>/progress` (the latest text) and
+`<prefix>/<key>/status` ("done", or "error" and the leader's message). Waiters only `check` for
+keys and `get` keys already present, so the store's own default timeout (the process group's
+timeout, e.g. 1800 s) never fires however long the leader works. Every `log_every_s` a waiter logs
+the key, the time waited and the leader's last progress; after `timeout_s` it raises TimeoutError
+naming them; when the leader posts an error, waiters raise `LeaderFailed` with its message at the
+next poll instead of waiting out the timeout.
+
+Store memory stays bounded: when the leader first posts on a new key it deletes the entries of its
+previous key, so one key's entries are live per LeaderSignal. This needs every waiter to have
+returned from `wait` on the previous key before the leader posts on the next one; in the trainer
+the collectives that hand out each step's rollouts guarantee that. A key must be fresh for each
+wait (a step number and, when a step is regenerated, the attempt): posting on a key this leader
+already finished raises, since waiters would take the old "done" for the new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import torch.distributed as dist
+
+_DONE = "done"
+_ERROR = "error\n"
+
+
+class LeaderFailed(RuntimeError):
+    """The leader posted an error for the key a rank was waiting on."""
+
+
+def _print(text: str) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    print(f"[megatron-rl] rank {rank}: {text}", flush=True)
+
+
+class LeaderSignal:
+    """Progress, completion and failure of a leader's job, posted on the c10d store, awaited by polling.
+
+    `prefix` namespaces the store keys (e.g. "rollouts"); the per-wait `key` passed to each call
+    (e.g. f"step{step}/mp{mp_index}") names the job in every log line and error. `timeout_s`: how
+    long `wait` waits before raising TimeoutError; `log_every_s`: how often it logs while waiting;
+    `poll_s`: the sleep between two looks at the store (the latency a waiter adds after "done").
+    `timeout_name` is how the timeout is called in the TimeoutError (the config key that sets it).
+    `store` defaults to a clone of the default process group's store (a connection of its own, so
+    posting from another thread cannot interleave with torch's own use of the store).
+    """
+
+    def __init__(self, prefix: str, *, timeout_s: float, log_every_s: float, poll_s: float = 0.5,
+                 log: Callable[[str], None] = _print, timeout_name: str = "timeout_s",
+                 store: Optional[dist.Store] = None):
+        for name, value in (("timeout_s", timeout_s), ("log_every_s", log_every_s), ("poll_s", poll_s)):
+            if not value > 0:
+                raise ValueError(f"LeaderSignal {name}={value!r}: must be a positive number of seconds")
+        if store is None:
+            if not dist.is_initialized():
+                raise RuntimeError("LeaderSignal needs torch.distributed initialised (it uses the default "
+                                   "process group's store); a single process has no one to wait for")
+            store = dist.distributed_c10d._get_default_store().clone()
+        self.prefix = prefix.strip("/")
+        self.timeout_s, self.log_every_s, self.poll_s = float(timeout_s), float(log_every_s), float(poll_s)
+        self.timeout_name = timeout_name
+        self.log = log
+        self._store = store
+        self._lock = threading.Lock()  # posts may come from a worker thread
+        self._current: Optional[str] = None  # the key this leader posts on; its entries are live
+        self._current_finished = False
+
+    # ------------------------------------------------------------------------------------------
+    def _keys(self, key: str) -> tuple[str, str]:
+        base = f"{self.prefix}/{key}"
+        return f"{base}/progress", f"{base}/status"
+
+    def _begin(self, key: str) -> None:
+        """Called under the lock by every post: switch to `key`, deleting the previous key's entries."""
+        if key == self._current:
+            if self._current_finished:
+                raise ValueError(f"{self.prefix}/{key}: already posted done/error; use a fresh key per wait "
+                                 "(include the step and the attempt), or waiters take the old result "
+                                 "for the new one")
+            return
+        if self._current is not None:
+            for k in self._keys(self._current):
+                self._store.delete_key(k)
+        self._current, self._current_finished = key, False
+
+    def post_progress(self, key: str, text: str) -> None:
+        """Leader: publish `text` (e.g. "1234/4096 samples") as the latest progress on `key`.
+
+        One store round trip: call it per finished group or every few seconds, not per token.
+        """
+        with self._lock:
+            self._begin(key)
+            self._store.set(self._keys(key)[0], text)
+
+    def post_done(self, key: str) -> None:
+        """Leader: the job behind `key` finished; waiters return from `wait`."""
+        with self._lock:
+            self._begin(key)
+            self._store.set(self._keys(key)[1], _DONE)
+            self._current_finished = True
+
+    def post_error(self, key: str, message: str) -> None:
+        """Leader: the job behind `key` failed; waiters raise LeaderFailed with `message`."""
+        with self._lock:
+            self._begin(key)
+            self._store.set(self._keys(key)[1], _ERROR + message)
+            self._current_finished = True
+
+    @contextlib.contextmanager
+    def leading(self, key: str) -> Iterator[None]:
+        """Leader: post done when the block ends, or post the exception and re-raise it."""
+        try:
+            yield
+        except BaseException as e:
+            self.post_error(key, f"{type(e).__name__}: {e}")
+            raise
+        self.post_done(key)
+
+    # ------------------------------------------------------------------------------------------
+    def wait(self, key: str) -> float:
+        """Waiter: block until the leader posts done on `key`; return the seconds waited.
+
+        Raises LeaderFailed with the leader's message if it posts an error, and TimeoutError after
+        `timeout_s` with the key, the time waited and the leader's last progress.
+        """
+        progress_key, status_key = self._keys(key)
+        start = time.monotonic()
+        next_log = start + self.log_every_s
+        progress: Optional[str] = None
+        # When this rank first saw the current progress text: local time, no clocks compared across hosts.
+        progress_at = start
+        while True:
+            try:
+                finished = self._store.check([status_key])
+                if self._store.check([progress_key]):
+                    text = self._store.get(progress_key).decode()
+                    if text != progress:
+                        progress, progress_at = text, time.monotonic()
+                status = self._store.get(status_key).decode() if finished else None
+            except dist.DistError as e:
+                raise RuntimeError(f"{self.prefix}/{key}: the c10d store became unreachable while "
+                                   f"waiting for the leader (it lives on global rank 0; did that exit?): "
+                                   f"{e}") from e
+            now = time.monotonic()
+            if status == _DONE:
+                return now - start
+            if status is not None:
+                message = status[len(_ERROR):] if status.startswith(_ERROR) else status
+                raise LeaderFailed(f"{self.prefix}/{key}: the leader failed after {now - start:.0f}s of "
+                                   f"waiting: {message}")
+            if now - start >= self.timeout_s:
+                raise TimeoutError(f"{self.prefix}/{key}: no result from the leader after {now - start:.0f}s "
+                                   f"({self.timeout_name}={self.timeout_s:g}); "
+                                   f"{self._describe(progress, progress_at, now)}")
+            if now >= next_log:
+                self.log(f"waiting for {self.prefix}/{key}: {now - start:.0f}s; "
+                         f"{self._describe(progress, progress_at, now)}")
+                next_log = now + self.log_every_s  # after a stall, one line, not a burst
+            time.sleep(min(self.poll_s, max(0.0, start + self.timeout_s - now)))
+
+    @staticmethod
+    def _describe(progress: Optional[str], progress_at: float, now: float) -> str:
+        if progress is None:
+            return "the leader has posted no progress"
+        return f"the leader's last progress: {progress!r} (first seen {now - progress_at:.0f}s ago)"
