@@ -8,14 +8,19 @@ and steps Megatron's optimizer. Loss closures plug in from outside (RL losses la
 
 `logits_BSV` is this rank's vocab shard [b, s, V/TP] of the padded vocab, `mb` the micro-batch dict
 (tensors [b, s] plus any extra per-token fields the caller put into the batch), `loss` a scalar
-already divided by the *global* normaliser (every rank sees the whole global batch, so the
-normaliser is computed once, before micro-batching), and `metrics` a dict of scalar tensors that
-are summed over micro-batches and data-parallel ranks. Because losses are pre-normalised,
+already divided by the *global* normaliser (computed once per step, before micro-batching: from
+the whole batch when every rank passes it, all-reduced over data-parallel ranks when each passes
+its own `RolloutBatch`), and `metrics` a dict of scalar tensors that are summed over micro-batches
+and data-parallel ranks. Because losses are pre-normalised,
 Megatron runs with `calculate_per_token_loss` and the grad finaliser does not rescale: the loss
 and its gradients do not depend on the TP/PP/DP/micro-batch layout.
 
 Batch layout: `input_ids`, `labels` (the token each position predicts), `loss_mask` (float),
-all [B, S], right-padded; positions are 0..S-1.
+all [B, S], right-padded; positions are 0..S-1. Two kinds of batch: a dict is the global batch
+every rank passes (each takes its contiguous slice; micro-batches of `micro_batch_size` padded to
+the global longest — tests and tools); a `trainer.batch.RolloutBatch` is this rank's own sequences
+(the RL loop): micro-batches under `learner.max_tokens_per_micro_batch`, each trimmed to its own
+longest, the same number on every data-parallel rank, materialised one at a time.
 """
 
 from __future__ import annotations

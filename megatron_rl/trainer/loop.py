@@ -2,8 +2,12 @@
 advantages → (train critic) → train policy → sync weights → log → evaluate → checkpoint, one named
 call per stage (`Trainer.fit`).
 
-Every learner rank runs this; rank 0 also drives the SGLang servers and scores responses, and the
-rollout batch then goes to all ranks (trainer/batch.py documents its layout). Training runs
+Every learner rank runs this. The model-parallel leader of each data-parallel rank produces that
+rank's share of whole prompt groups (drives the SGLang servers, scores the responses), the
+producers exchange sequences so every mini-batch's tokens are balanced across data-parallel ranks,
+and each hands its compact batch to its model-parallel peers by tensor broadcast: no rank holds the
+global batch (trainer/batch.py documents the layout). Rank 0 also starts local servers, pushes
+weights and evaluates. Training runs
 `algorithm.epochs` passes over `algorithm.mini_batches` mini-batches per rollout batch, each one
 optimizer step through Megatron's schedules with the policy loss of trainer/policy.py, with the
 divergences computed vocab-parallel on the logit shards. Router replay (MoE): r3 replays the
@@ -116,6 +120,12 @@ def validate(cfg: JobConfig) -> None:
     if a.overlong_buffer and not 0 < a.overlong_buffer <= r.max_new_tokens:
         raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must lie in 1..rollout.max_new_tokens "
                          f"({r.max_new_tokens}): the punishment ramps over the last overlong_buffer tokens")
+    for name in ("rollout_wait_timeout", "rollout_wait_log_every"):
+        if getattr(cfg.trainer, name) <= 0:
+            raise ValueError(f"trainer.{name}={getattr(cfg.trainer, name)} must be > 0 (seconds)")
+    if cfg.learner.max_tokens_per_micro_batch < 0:
+        raise ValueError(f"learner.max_tokens_per_micro_batch={cfg.learner.max_tokens_per_micro_batch}; "
+                         "valid: 0 (micro_batch_size sequences per micro-batch) or a positive token budget")
     if r.prompts_per_step % a.mini_batches:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
                          f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
@@ -176,6 +186,14 @@ class Trainer:
                                      num_experts=self.learner.config.num_moe_experts)
         self.stop = StopRequest(ctx.device)
         self.history: list[dict] = []
+        self._attempt = 0
+        self.signal = None
+        if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
+            from megatron_rl.distributed.wait import LeaderSignal
+
+            self.signal = LeaderSignal("rollouts", timeout_s=t.rollout_wait_timeout,
+                                       log_every_s=t.rollout_wait_log_every,
+                                       timeout_name="trainer.rollout_wait_timeout")
 
     def _build_critic(self):
         """The value model: the policy's checkpoint (or critic.hf_path) with a scalar head."""
@@ -309,20 +327,27 @@ class Trainer:
         then hands its batch to its model-parallel peers by tensor broadcast. Returns (status:
         "ok", "stale" or "error:<message>" — the same on every rank —, batch, metrics)."""
         ctx, t, a = self.ctx, self.cfg.trainer, self.cfg.algorithm
-        multi = dist.is_initialized() and dist.get_world_size() > 1
+        shared = dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1
         batch, metrics, status = None, {}, "ok"
+        leader = dist.get_global_rank(ctx.mp_group, 0) if shared else 0
+        # Model-parallel peers wait for their producer on the store, not inside a collective (the
+        # NCCL watchdog would kill a broadcast that outlasts its timeout while rollouts run).
+        self._attempt += 1
+        key = f"step{self.step}/try{self._attempt}/leader{leader}"
         if self.producer:
-            if t.mode == "train_only":
-                batch, metrics = self._read_rollouts()
-            else:
-                batch, metrics, status = self._generate_share()
-            if status == "ok" and t.mode != "rollout_only" and ctx.dp > 1:
-                batch, stats = batching.rebalance(batch, ctx.dp_group, a.mini_batches, ctx.device)
-                moved = all_reduce_sum(torch.tensor([stats["recv_bytes"], batch.nbytes()], dtype=torch.float64),
-                                       ctx.dp_group, ctx.device)
-                metrics["data/rebalanced_frac"] = float(moved[0] / moved[1].clamp(min=1))
-        if multi and dist.get_world_size(ctx.mp_group) > 1:
-            leader = dist.get_global_rank(ctx.mp_group, 0)
+            with self.signal.leading(key) if shared else nullcontext():
+                if t.mode == "train_only":
+                    batch, metrics = self._read_rollouts()
+                else:
+                    batch, metrics, status = self._generate_share()
+                if status == "ok" and t.mode != "rollout_only" and ctx.dp > 1:
+                    batch, stats = batching.rebalance(batch, ctx.dp_group, a.mini_batches, ctx.device)
+                    moved = all_reduce_sum(torch.tensor([stats["recv_bytes"], batch.nbytes()], dtype=torch.float64),
+                                           ctx.dp_group, ctx.device)
+                    metrics["data/rebalanced_frac"] = float(moved[0] / moved[1].clamp(min=1))
+        elif shared:
+            self.signal.wait(key)
+        if shared:
             header = [(status, self.prompts.state_dict(), metrics) if self.producer else None]
             dist.broadcast_object_list(header, src=leader, group=ctx.mp_group)
             status, position, metrics = header[0]

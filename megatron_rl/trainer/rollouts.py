@@ -1,13 +1,15 @@
 """The trainer's rollout side: SGLang servers, sampling, rewards and weight sync.
 
-Rank 0 drives generation (`RolloutClient` over the servers: retries, dead-server replacement, no
-sample lost or duplicated) and scores responses; the batch then goes to every learner rank.
-Servers come from `rollout.server_urls` (disaggregated: started by the launcher, e.g. on other
-nodes) or are started here by rank 0 on its own machine (local: `EngineManager`, which restarts
-dead ones; on GPUs only on `rollout.gpu_ids`). rollout/placement.py checks the placement before
-anything starts, and each server's own /server_info before the weight-update group is formed.
-Weight sync is a collective of all learner ranks (mbridge's export gathers the shards); rank 0
-sends the full tensors with the configured transport.
+The model-parallel leader of every data-parallel rank is a producer: it drives its share of each
+step's prompt groups over the servers (`RolloutClient`: retries, dead-server replacement, no sample
+lost or duplicated) and scores its responses; no rank sees another's responses. Servers come from
+`rollout.server_urls` (disaggregated: started by the launcher, e.g. on other nodes) or are started
+here by rank 0 on its own machine (local: `EngineManager`, which restarts dead ones; on GPUs only
+on `rollout.gpu_ids`; producers then must share rank 0's node). rollout/placement.py checks the
+placement before anything starts, and each server's own /server_info before the weight-update
+group is formed. Weight sync is a collective of all learner ranks (mbridge's export gathers the
+shards); rank 0 sends the full tensors with the configured transport. Top-K log-probs are asked
+for only when the divergence uses them.
 """
 
 from __future__ import annotations

@@ -129,3 +129,42 @@ def test_token_budget_step_with_r3_replay_at_ep2(moe):
     path, ref = moe
     out = run_distributed(worker, 2, str(path), {"ep": 2}, True, 48)[0]
     _check(out, ref, "ep2 r3")
+
+
+def exchange_worker(rank, world_size):
+    """Rank 0 produced every group, rank 1 none: rebalance, then broadcast rank 0's new batch."""
+    import torch.distributed as dist
+
+    from megatron_rl.trainer.batch import RolloutBatch, rebalance
+
+    whole = make_batch(True)
+    whole.seq["mini_batch"] = whole.seq["group_ids"] % 2
+    mine = whole if rank == 0 else whole.select(torch.zeros(0, dtype=torch.int64))
+    new, stats = rebalance(mine, dist.group.WORLD, 2)
+    copy = RolloutBatch.broadcast(new if rank == 0 else None, 0, dist.group.WORLD, torch.device("cpu"))
+    return dict(batch=new, stats=stats, copy=copy, whole=whole)
+
+
+def test_rebalance_moves_each_sequence_once_and_evens_every_mini_batch():
+    a, b = run_distributed(exchange_worker, 2)
+    whole = a["whole"]
+    key = lambda batch, i: (int(batch.seq["group_ids"][i]), tuple(batch.tok["input_ids"][i].tolist()))  # noqa: E731
+    got = sorted(key(x["batch"], i) for x in (a, b) for i in range(len(x["batch"])))
+    assert got == sorted(key(whole, i) for i in range(len(whole)))  # none lost, none twice
+    assert a["stats"]["sent_bytes"] == b["stats"]["recv_bytes"] > 0
+    # Every field of a moved sequence arrives intact (routes stay uint8).
+    where = {key(whole, i): i for i in range(len(whole))}
+    for i in range(len(b["batch"])):
+        j = where[key(b["batch"], i)]
+        for name in whole.tok:
+            assert torch.equal(b["batch"].tok[name][i], whole.tok[name][j]), name
+            assert b["batch"].tok[name][i].dtype == whole.tok[name][j].dtype
+        for name in whole.seq:
+            assert b["batch"].seq[name][i] == whole.seq[name][j], name
+    for m in range(2):
+        loads = [int(x["batch"].seq_lens[x["batch"].seq["mini_batch"] == m].sum()) for x in (a, b)]
+        longest = int(whole.seq_lens[whole.seq["mini_batch"] == m].max())
+        assert abs(loads[0] - loads[1]) <= longest, (m, loads)
+    # The model-parallel share: an exact copy from one tensor broadcast.
+    for name in a["batch"].keys():
+        assert torch.equal(b["copy"][name], a["batch"][name]), name

@@ -155,12 +155,14 @@ def test_overlong_shaping_and_filter_through_the_loop(server_url, tmp_path):
 
     d = tmp_path / "overlong"
     run(d, server_url, "trainer.steps=1", "trainer.mode=rollout_only", "rollout.max_new_tokens=3")
-    path = d / "rollouts" / "step_00000000.pt"
-    batch, metrics = torch.load(path, weights_only=False)
+    from megatron_rl.trainer.batch import RolloutBatch
+
+    path = d / "rollouts" / "step_00000000.dp0.pt"
+    batch, metrics = RolloutBatch.load(path)
     # A random policy almost never stops early: mark every other response as finished by EOS so
     # that the filter has both kinds to tell apart (the loop reads only this flag).
     batch["truncated"] = batch["truncated"] & (torch.arange(len(batch["truncated"])) % 2 == 0)
-    torch.save((batch, metrics), path)
+    batch.save(path, metrics)
     run(d / "train", "http://127.0.0.1:9", "trainer.steps=1", "trainer.mode=train_only",
         f"trainer.rollouts_dir={d / 'rollouts'}", "rollout.max_new_tokens=3",
         "algorithm.overlong_buffer=2", "algorithm.overlong_penalty=0.5", "algorithm.overlong_filter=true")

@@ -233,7 +233,7 @@ def cmd_data(args) -> int:
                           + (dest / f"{name}.log").read_text()[-3000:])
             continue
         saved = sorted(p.name for p in (run / "rollouts").iterdir())
-        want = [f"step_{s:08d}.pt" for s in range(gpu_common.ROLLOUT_STEPS)]
+        want = [f"step_{s:08d}.dp0.pt" for s in range(gpu_common.ROLLOUT_STEPS)]
         if saved != want:
             failed.append(f"{name}: rollouts {saved}, expected {want}")
             continue

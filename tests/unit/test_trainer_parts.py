@@ -27,6 +27,11 @@ def record(prompt, response, logp, topk=None, routes=None, i=0, j=0, finish="sto
         finish_reason=finish, weight_version="0", temperature=1.0)
 
 
+def build(recs, rewards, **kw):
+    return batching.RolloutBatch.from_records(recs, rewards, group_ids=[r.prompt_index for r in recs],
+                                              mini_batch=[0] * len(recs), pad_id=0, **kw)
+
+
 def test_batch_alignment_matches_records():
     g = torch.Generator().manual_seed(0)
     recs = []
@@ -37,7 +42,11 @@ def test_batch_alignment_matches_records():
         topk = (topk_ids, torch.randn(T, 3, generator=g))
         routes = torch.randint(0, 4, (P + T - 1, 2, 2), generator=g, dtype=torch.int32)
         recs.append(record(prompt, resp, torch.randn(T, generator=g).tolist(), topk, routes, i=i))
-    b = batching.build_batch(recs, [1.0, 0.0, 1.0], pad_id=0, with_topk=True, with_routes=True)
+    b = build(recs, [1.0, 0.0, 1.0], with_topk=True, with_routes=True, num_experts=4)
+    # Compact storage: routes uint8 per sequence, top-K only on response rows, ids int32.
+    assert b.tok["routed_experts"][1].dtype == torch.uint8 and b.tok["routed_experts"][1].shape == (8, 2, 2)
+    assert b.tok["topk_ids"][1].shape == (4, 3) and b.tok["input_ids"][1].dtype == torch.int32
+    b = b.micro_batch(torch.arange(3), 11)  # the learner's padded layout, 11 positions
     for i, r in enumerate(recs):
         P, T = r.prompt_ids.numel(), r.response_ids.numel()
         seq = torch.cat([r.prompt_ids, r.response_ids])
@@ -58,15 +67,76 @@ def test_batch_alignment_matches_records():
     recs[1].topk_ids[2, 2] = recs[1].topk_ids[2, 0]
     with pytest.raises(ValueError, match=r"prompt 1, sample 0\): the top-K ids of response token 2 "
                        rf"name id {int(recs[1].topk_ids[2, 0])} twice"):
-        batching.build_batch(recs, [1.0, 0.0, 1.0], pad_id=0, with_topk=True, with_routes=True)
+        build(recs, [1.0, 0.0, 1.0], with_topk=True, with_routes=True, num_experts=4)
 
 
-def test_mini_batches_keep_groups_and_reject_bad_split():
-    b = {"input_ids": torch.arange(12).view(6, 2), "rewards": torch.arange(6.0)}
+def test_rollout_batch_fields_round_trip():
+    """Padded views, stores, subsets, concatenation and the byte transport all keep every field."""
+    g = torch.Generator().manual_seed(1)
+    recs = [record(torch.randint(3, 90, (P,), generator=g).tolist(), torch.randint(3, 90, (T,), generator=g).tolist(),
+                   torch.randn(T, generator=g).tolist(), i=i,
+                   routes=torch.randint(0, 200, (P + T - 1, 3, 2), generator=g, dtype=torch.int32))
+            for i, (P, T) in enumerate([(4, 7), (2, 1), (6, 3), (3, 9)])]
+    b = build(recs, [1.0, 0.0, 0.5, 1.0], with_routes=True, num_experts=200)
+    adv = torch.randn(4, int(b.seq_lens.max()), generator=g)
+    b["advantages"] = adv
+    lens = b.seq_lens.tolist()
+    for i, n in enumerate(lens):  # stored rows = the sequence's positions; padding reads back as 0
+        assert torch.equal(b["advantages"][i, :n], adv[i, :n]) and not b["advantages"][i, n:].any()
+    sub = b.select(torch.tensor([3, 1]))
+    assert sub["rewards"].tolist() == [1.0, 0.0] and torch.equal(sub["advantages"][0, :lens[3]], adv[3, :lens[3]])
+    both = batching.RolloutBatch.cat([sub, b.select(torch.tensor([0]))])
+    assert both.seq["group_ids"].tolist() == [3, 1, 0]
+    buf, counts = b.pack()
+    assert buf.dtype == torch.uint8 and buf.numel() == b.nbytes()
+    back = batching.RolloutBatch.unpack(buf, counts, b.schema(), len(b), b.pad_id)
+    for name in b.keys():
+        assert torch.equal(back[name], b[name]), name
+    # uint8 routes widen to the learner's int64 with −1 where a position has no route.
+    mb = b.micro_batch(torch.tensor([1]), 8)
+    assert mb["routed_experts"].dtype == torch.int64 and (mb["routed_experts"][0, 2:] == -1).all()
+    with pytest.raises(ValueError, match="positions, the batch's longest sequence has 12"):
+        b["advantages"] = adv[:, :5]
+
+
+def test_micro_batches_follow_the_token_budget_and_trim_padding():
+    lens = torch.tensor([5, 100, 30, 7, 90, 60, 8, 31])
+    plan = batching.plan_micro_batches(lens, max_tokens=200, multiple=8)
+    assert sorted(i for mb in plan for i in mb.tolist()) == list(range(8))  # each sequence once
+    for mb in plan:  # within the budget (padded longest x sequences), or one sequence alone
+        S = batching.padded_len(int(lens[mb].max()), 8)
+        assert S * mb.numel() <= 200 or mb.numel() == 1
+    pad, slots = batching.padding_waste(lens, plan, 8)
+    global_pad, global_slots = batching.padding_waste(lens, [torch.arange(8)], 8)  # one micro-batch at the global max
+    assert pad / slots < global_pad / global_slots / 2
+    # Ranks that must run more micro-batches split their largest; count-based without a budget.
+    assert len(batching.plan_micro_batches(lens, max_tokens=200, multiple=8, n_micro=6)) == 6
+    assert [m.tolist() for m in batching.plan_micro_batches(lens, max_sequences=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+def test_balance_plan_moves_only_the_surplus():
+    lens = [torch.tensor([100, 5, 7]), torch.tensor([30, 90, 60]), torch.tensor([1])]
+    mb = [torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.zeros(1, dtype=torch.long)]
+    plan = batching.balance_plan(lens, mb, 1)
+    loads = [0, 0, 0]
+    for r in range(3):
+        for L, d in zip(lens[r].tolist(), plan[r].tolist()):
+            loads[d] += L
+    assert max(loads) - min(loads) <= 5 and sum(loads) == 293
+    moved = sum(L for r in range(3) for L, d in zip(lens[r].tolist(), plan[r].tolist()) if d != r)
+    assert moved < 293 / 2  # the 100-token sequence stays where it is
+    # Mini-batches are balanced one by one: a balanced mini-batch moves nothing.
+    even = batching.balance_plan([torch.tensor([10, 10]), torch.tensor([10, 10])],
+                                 [torch.tensor([0, 1]), torch.tensor([0, 1])], 2)
+    assert [p.tolist() for p in even] == [[0, 0], [1, 1]]
+
+
+def test_mini_batches_select_by_index():
+    recs = [record([5, 6], [7], [-1.0], i=i) for i in range(6)]
+    b = batching.RolloutBatch.from_records(recs, [float(i) for i in range(6)], group_ids=list(range(6)),
+                                           mini_batch=[0, 0, 1, 1, 2, 2], pad_id=0)
     parts = batching.mini_batches(b, 3)
     assert [p["rewards"].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(ValueError, match="mini_batches = 4"):
-        batching.mini_batches(b, 4)
 
 
 def test_prompt_stream_resume_is_exact():
@@ -222,7 +292,7 @@ def test_reward_model_reads_prompt_and_response_tokens():
 
     recs = [record([5, 6, 7], [8, 9], [-1.0, -2.0]), record([5, 6], [8, 9, 10, 11], [-1.0] * 4, i=1),
             record([5, 6, 7, 8, 9], [10], [-1.0], i=2)]
-    b = batching.build_batch(recs, [0.0, 1.0, 0.0], pad_id=0, with_topk=False, with_routes=False)
+    b = build(recs, [0.0, 1.0, 0.0])
     mask = sequence_attention_mask(b["loss_mask"])
     assert mask.sum(1).tolist() == [5, 6, 6]
     for i, r in enumerate(recs):
@@ -261,10 +331,11 @@ def test_gae_with_kl_in_reward_matches_float64_reference():
     g = torch.Generator().manual_seed(0)
     recs = [record([5, 6, 7], [8, 9, 4], torch.randn(3, generator=g).tolist()),
             record([5, 6], [8], torch.randn(1, generator=g).tolist(), i=1)]
-    b = batching.build_batch(recs, [1.0, 0.5], pad_id=0, with_topk=False, with_routes=False)
+    b = build(recs, [1.0, 0.5])
     b["ref_logp"] = torch.randn(b["loss_mask"].shape, generator=g) * b["loss_mask"]
     b["old_values"] = torch.randn(b["loss_mask"].shape, generator=g)
-    metrics = Trainer.compute_advantages(SimpleNamespace(cfg=job), b)
+    metrics = Trainer.compute_advantages(SimpleNamespace(cfg=job, ctx=SimpleNamespace(dp=1),
+                                                         _mean=lambda total, n: total / max(n, 1)), b)
     coef, gamma, lam = 0.01, 0.9, 0.8
     for i, r in enumerate(recs):
         P, T = r.prompt_ids.numel(), r.response_ids.numel()
