@@ -5,7 +5,7 @@ For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per r
   (a) log pi(a_t) only                          vocab_parallel_policy_stats, forward + backward
   (b) (a) + binary TV and KL                    same call, divergences=binary_tv, binary_kl
   (c) (b) + top-K (K=20) TV and KL              same call, all four divergences, topk_distinct=True
-                                                (the learner's setting: build_batch checked the
+                                                (the learner's setting: RolloutBatch checked the
                                                 engine's top-K lists once per step); c_sort: the
                                                 same without it (per-row sorted duplicate search)
   (d) naive reference: all-gather the full vocabulary, log_softmax, then the same quantities

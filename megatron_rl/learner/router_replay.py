@@ -44,6 +44,13 @@ def _unwrap(module):
     return module
 
 
+def padding_routes(n: int, k: int, num_experts: int, device=None) -> torch.Tensor:
+    """[n, k] routes for n tokens without one: token j takes experts jk .. jk+k−1 (mod E) — k
+    distinct experts each, every expert loaded within one token of the others."""
+    j = torch.arange(n, device=device)[:, None] * k + torch.arange(k, device=device)
+    return j % num_experts
+
+
 class RouterReplayController:
     """Feeds recorded routes to the MoE routers of this rank's model chunks, micro-batch by micro-batch."""
 
@@ -118,9 +125,7 @@ class RouterReplayController:
         missing = (r < 0).any(dim=-1)
         self._valid[moe_index] = ~missing
         if missing.any():
-            spread = (torch.arange(r.shape[0], device=r.device)[:, None] * k
-                      + torch.arange(k, device=r.device)) % self.num_experts
-            r = torch.where(missing[:, None], spread, r)
+            r = torch.where(missing[:, None], padding_routes(r.shape[0], k, self.num_experts, r.device), r)
         return r
 
     def before_forward(self, chunk_idx: int, mb: dict) -> None:

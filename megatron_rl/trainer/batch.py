@@ -300,30 +300,56 @@ class RolloutBatch:
             raise RuntimeError(f"rollout batch transport: {buf.numel()} bytes received, {at} expected")
         return cls(seq, tok, pad_id, spec)
 
+    def seq_nbytes(self) -> torch.Tensor:
+        """[b] bytes of each sequence (all its fields)."""
+        n = torch.full((len(self),), sum(v.element_size() for v in self.seq.values()), dtype=torch.int64)
+        for ts in self.tok.values():
+            n += torch.tensor([t.numel() * t.element_size() for t in ts], dtype=torch.int64)
+        return n
+
     @staticmethod
-    def broadcast(batch: Optional["RolloutBatch"], src: int, group, device) -> "RolloutBatch":
+    def broadcast(batch: Optional["RolloutBatch"], src: int, group, device,
+                  bucket_bytes: int = 256 << 20) -> "RolloutBatch":
         """Collective over `group`: every member returns global rank `src`'s batch (the others
         pass None). One small header (field names, dtypes, sizes) goes by object broadcast; the
-        data as one row-count tensor and one uint8 buffer."""
+        data in buckets of whole sequences (≤ `bucket_bytes` unless one sequence is larger), each
+        a row-count tensor and one uint8 buffer, so the sender holds one bucket beyond its batch."""
         me = dist.get_rank()
         header = [None]
         if me == src:
-            buf, counts = batch.pack()
-            header = [(batch.schema(), len(batch), buf.numel(), batch.pad_id)]
+            sizes, chunks, start, acc = batch.seq_nbytes().tolist(), [], 0, 0
+            for i, n in enumerate(sizes):
+                if acc and acc + n > bucket_bytes:
+                    chunks.append((start, i))
+                    start, acc = i, 0
+                acc += n
+            chunks.append((start, len(sizes)))
+            header = [(batch.schema(), batch.pad_id, dict(batch.spec), chunks)]
         dist.broadcast_object_list(header, src=src, group=group)
-        schema, b, nbytes, pad_id = header[0]
+        schema, pad_id, spec, chunks = header[0]
         n_tok = sum(kind == "tok" for kind, *_ in schema)
-        if me == src:
-            counts_d, buf_d = counts.to(device), buf.to(device)
-        else:
-            counts_d = torch.empty(n_tok, b, dtype=torch.int64, device=device)
-            buf_d = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        dist.broadcast(counts_d, src=src, group=group)
-        dist.broadcast(buf_d, src=src, group=group)
+        parts = []
+        for lo, hi in chunks:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+            if me == src:
+                buf, counts = batch.select(torch.arange(lo, hi)).pack()
+                size[0] = buf.numel()
+            dist.broadcast(size, src=src, group=group)
+            if me == src:
+                counts_d, buf_d = counts.to(device), buf.to(device)
+            else:
+                counts_d = torch.empty(n_tok, hi - lo, dtype=torch.int64, device=device)
+                buf_d = torch.empty(int(size), dtype=torch.uint8, device=device)
+            dist.broadcast(counts_d, src=src, group=group)
+            dist.broadcast(buf_d, src=src, group=group)
+            if me != src:
+                parts.append(RolloutBatch.unpack(buf_d.cpu(), counts_d.cpu(), schema, hi - lo, pad_id))
+            del buf_d
         if me == src:
             return batch
-        return RolloutBatch.unpack(buf_d.cpu(), counts_d.cpu(), schema, b, pad_id)
-
+        return RolloutBatch.cat(parts) if parts else RolloutBatch(
+            {k: torch.zeros(0, dtype=d) for kind, k, d, _ in schema if kind == "seq"},
+            {k: [] for kind, k, _, _ in schema if kind == "tok"}, pad_id, spec)
 
     def save(self, path, metrics: Optional[dict] = None) -> None:
         """Write the batch (and step metrics) with torch.save: plain tensors, dtypes by name."""

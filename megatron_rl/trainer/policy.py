@@ -57,7 +57,7 @@ class PolicyLoss:
             # storage as the scratch buffer and then as the gradient (megatron-core's trick).
             inplace_logits=logits_BSV.dtype == torch.float32 and a.entropy_coef == 0
             and logits_BSV.is_contiguous(),
-            topk_distinct=True)  # build_batch checked every top-K row once per step
+            topk_distinct=True)  # RolloutBatch.from_records checked every top-K row
         kwargs = self.kwargs
         if self.entropy_eps is not None:
             eps = aspo_entropy_eps(ps.entropy, mb["loss_mask"] > 0, **self.entropy_eps)

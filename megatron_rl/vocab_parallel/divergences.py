@@ -100,7 +100,7 @@ def topk_support(
     each id once (its first column) and drops negative ids (padding of a short top-K list).
 
     distinct_topk: the caller guarantees that the non-negative ids of each top-K row are distinct
-    (an inference engine's top-K always is; `trainer.batch.build_batch` checks it once per step).
+    (an inference engine's top-K always is; `trainer.batch.RolloutBatch.from_records` checks it once per step).
     Only the entry equal to a_t can then repeat an id: one O(K) compare per row replaces the sort.
     """
     ids = torch.cat([sampled_ids[..., None], topk_ids], dim=-1).long()

@@ -285,7 +285,7 @@ def test_kl_to_reference_through_the_loop(server_url, tmp_path):
 
 def test_topk_divergence_through_the_loop(server_url, tmp_path):
     """DPPO's top-K trust region end to end: SGLang's top-20 log-probs -> records (sampled token
-    forced in) -> build_batch (rows checked distinct once per step) -> the learner's fused pass
+    forced in) -> RolloutBatch (rows checked distinct once per step) -> the learner's fused pass
     with topk_distinct. With one mini-batch and one epoch every update is on-policy, so the
     top-K KL between the engine's and the learner's distributions is rounding only -- at step 0
     and again after a weight sync; a second epoch over the batch sees a moved policy, so the

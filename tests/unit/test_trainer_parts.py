@@ -286,7 +286,7 @@ def test_validate_rejects_inconsistent_algorithm():
 
 
 def test_reward_model_reads_prompt_and_response_tokens():
-    """The attention mask handed to the reward model covers exactly prompt + response (build_batch
+    """The attention mask handed to the reward model covers exactly prompt + response (RolloutBatch
     layout), so it pools at the last response token."""
     from megatron_rl.rewards.model_rewards import sequence_attention_mask
 
@@ -367,3 +367,15 @@ def test_validate_rejects_inconsistent_ppo_settings(recipe, override, message):
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config(recipe, [override])))
+
+
+def test_padding_routes_spread_evenly_over_experts():
+    """Positions without a route (padding) must not pile onto experts 0..k−1: under expert
+    parallelism that would be one rank's hot spot."""
+    from megatron_rl.learner.router_replay import padding_routes
+
+    for n, k, E in [(1000, 8, 128), (37, 2, 4), (5, 4, 4)]:
+        r = padding_routes(n, k, E)
+        assert all(len(set(row)) == k for row in r.tolist())  # k distinct experts per token
+        load = torch.bincount(r.flatten(), minlength=E)
+        assert int(load.max() - load.min()) <= 1, (n, k, E, load.tolist())
