@@ -121,6 +121,8 @@ class DataConfig:
     text_field: Optional[str] = None  # or: a row field holding the plain prompt text
     answer_field: Optional[str] = "reward_model.ground_truth"  # row field holding the ground truth; null = none (reward model only)
     reward: str = "synthetic"  # reward function (rewards/): synthetic | math | none (0: a learned reward model scores)
+    reward_workers: int = 2  # processes scoring rewards while responses arrive (rewards/pool.py); >= 1
+    reward_timeout: float = 10.0  # seconds per reward call; a call past it is killed, scores 0 and counts in reward/timeouts
     shuffle_seed: int = 0  # prompt order seed (reshuffled every epoch)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
