@@ -7,6 +7,8 @@ Times (best of --repeat, one process, this machine):
 - `decode`: the HTTP body → Python objects, as the client does it (orjson, cyclic GC paused),
   next to the json module with GC on (what aiohttp's `r.text()` + `r.json()` amounts to);
 - `record_from_sglang` with log-probs only, + top-K, + routes, and all three;
+- `client_generate`: one `RolloutClient.generate` sample end to end over local HTTP, from a
+  small aiohttp app answering that body (body transfer, decode and record);
 - the bytes one record keeps.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rollout_parse.py [--tokens 16384 --json out.json]
@@ -15,6 +17,7 @@ Times (best of --repeat, one process, this machine):
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import gc
 import json
@@ -27,7 +30,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.rollout.client import _loads  # noqa: E402
+from megatron_rl.rollout.client import RolloutClient, SamplingParams, _loads  # noqa: E402
 from megatron_rl.rollout.records import record_from_sglang  # noqa: E402
 
 
@@ -62,6 +65,38 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def time_client(body: bytes, prompt: list[int], a, repeat: int) -> float:
+    """Best wall time of one generate() sample against a local app that answers `body`."""
+    from aiohttp import web
+
+    async def answer(request):
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    async def go() -> float:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/generate", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        times = []
+        try:
+            async with RolloutClient([url], moe_topk=a.router_topk, num_experts=a.experts) as client:
+                for _ in range(repeat):
+                    gc.collect()
+                    t = time.perf_counter()
+                    await client.generate([prompt], SamplingParams(max_new_tokens=a.tokens), n=1,
+                                          top_k_logprobs=a.topk, return_routed_experts=True)
+                    times.append(time.perf_counter() - t)
+        finally:
+            await runner.cleanup()
+        return min(times)
+
+    return asyncio.run(go())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=16384)
@@ -84,6 +119,7 @@ def main() -> None:
                                   ("routes", 0, a.router_topk), ("all", a.topk, a.router_topk)]:
         res[f"record_{name}_s"] = best(lambda: record_from_sglang(resp, top_k=top_k, moe_topk=moe_topk, **kw),
                                        a.repeat)
+    res["client_generate_s"] = time_client(body, prompt, a, a.repeat)
     rec = record_from_sglang(resp, top_k=a.topk, moe_topk=a.router_topk, **kw)
     res["record_bytes"] = sum(t.numel() * t.element_size() for t in
                               (rec.prompt_ids, rec.response_ids, rec.rollout_logp, rec.topk_ids,

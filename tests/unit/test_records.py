@@ -326,10 +326,10 @@ def test_on_record_is_called_once_per_sample_as_each_finishes():
 
 
 def test_inflight_cap_per_server():
-    server = FakeSGLang(delay=0.3)
+    server = FakeSGLang(delay=0.5)
     _run(server, n=4, client_kw=dict(max_inflight_per_server=3))
     assert server.max_inflight == 3 and len(server.requests) == 8
-    server = FakeSGLang(delay=0.3)
+    server = FakeSGLang(delay=0.5)
     _run(server, n=4)  # default 64: all 8 at once
     assert server.max_inflight == 8
     with pytest.raises(ValueError, match="max_inflight_per_server"):
