@@ -62,7 +62,7 @@ def generate(ckpt: Path, args, log_dir: Path):
                        enable_return_routed_experts=True)
 
     async def run(url):
-        async with RolloutClient([url], moe_topk=args.topk) as client:
+        async with RolloutClient([url], moe_topk=args.topk, num_experts=args.experts) as client:
             return await client.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=args.max_new),
                                          n=args.n, return_routed_experts=True)
 

@@ -152,7 +152,8 @@ class RolloutConfig:
     max_generation_rounds: int = 4  # bound on generation rounds per step with dynamic sampling
     weight_sync: str = "distributed"  # distributed (process group: NCCL / gloo) | tensor (CPU servers on the learner's machine) | disk
     release_memory: bool = False  # colocation on shared GPUs (release server memory while training): not implemented, true is refused
-    request_timeout: float = 600.0  # seconds per generation request before retrying elsewhere
+    request_timeout: Optional[float] = None  # seconds per generation request before it is aborted and retried elsewhere; None = 300 + max_new_tokens / 8 (rollout/client.py request_timeout_s)
+    max_inflight_per_server: int = 64  # generation requests the trainer keeps in flight on each server (the rest wait in the client)
 
 
 @dataclass

@@ -13,9 +13,29 @@ key is ever produced twice — whatever happens to the servers:
   around a weight update) is retried the same way, without marking the server down;
 - the attempt on a server that timed out but is still alive is aborted there (`/abort_request`
   with its rid), so a late answer cannot come back as a second sample;
-- 4xx answers (a bad request) are not retried: they raise at once with the server's message.
+- 4xx answers (a bad request) are not retried: they raise at once with the server's message;
+- a 200 answer that is malformed (a missing field, a string where a number belongs, a top-K row
+  of the wrong width, routed experts of the wrong size or naming an expert ≥ num_experts, an
+  unknown finish_reason: see records.py) is a server bug, not retried: `RolloutError` names the
+  sample (prompt and sample index), the request id and server, and the field's path in the
+  response (e.g. `meta_info.output_token_logprobs[37][1]`).
 After `max_attempts` failed attempts on one key the whole call raises `RolloutError` naming the
 key, the servers tried and the errors. Every retry is logged and kept in `retry_events`.
+`generate(..., on_record=f)` calls `f(record)` in the event loop as soon as each sample's record
+is built, exactly once per (prompt, sample), so the caller can start on finished samples (e.g.
+score rewards) while others are still generating.
+
+Concurrency and time limits: at most `max_inflight_per_server` requests of one client are in
+flight on a server (the rest wait in the client, so the least-loaded choice stays meaningful);
+a generation request not answered within `request_timeout` seconds is aborted there and retried
+elsewhere. `request_timeout=None` derives it from each call's budget:
+`generation_timeout_s(max_new_tokens)` = 300 s + max_new_tokens / 8 tokens per second (a floor
+rate no healthy server falls below, even batched; 16384 tokens → 2348 s); `request_timeout_s`
+reads the same from a `RolloutConfig`. Control endpoints use CONTROL_TIMEOUT_S unless told.
+
+Response bodies are parsed with orjson (several times faster than json on the log-prob lists)
+with Python's cyclic GC paused: a 16k-token response with top-20 log-probs is ~350 k small lists,
+whose allocation otherwise triggers repeated full collections that cost 3–4× the parse itself.
 
 `RolloutClient.classify(sequences)` scores token-id sequences on servers of a reward model
 (sequence classification, SGLang `--is-embedding`, route `/classify`), in chunks that are retried
@@ -35,7 +55,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import time
@@ -44,8 +66,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
+import orjson
 
-from .records import RolloutRecord, record_from_sglang
+from .records import MalformedResponse, RolloutRecord, finish_reason, record_from_sglang
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +140,45 @@ class RetryEvent:
 
 
 KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
+CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
+TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
+FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
+
+
+def generation_timeout_s(max_new_tokens: int) -> float:
+    """Seconds a generation request with this budget may take: 300 + max_new_tokens / 8."""
+    return TIMEOUT_BASE_S + max_new_tokens / FLOOR_DECODE_TOKENS_PER_S
+
+
+def request_timeout_s(rollout_cfg) -> float:
+    """The generation request timeout of a `RolloutConfig`: `request_timeout` when set, else
+    derived from `max_new_tokens` (generation_timeout_s)."""
+    if rollout_cfg.request_timeout is not None:
+        return float(rollout_cfg.request_timeout)
+    return generation_timeout_s(rollout_cfg.max_new_tokens)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Pause cyclic GC around a large JSON parse: the hundreds of thousands of small lists it
+    allocates would each time trigger full collections of the whole heap; nothing parsed forms
+    a cycle, so collection can wait until the parse is done."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _loads(body: bytes, url: str, route: str) -> Any:
+    try:
+        with _gc_paused():
+            return orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise MalformedResponse("(body)", f"{url}{route} answered 200 with invalid JSON ({e}); "
+                                f"it begins {body[:200]!r}") from None
 
 _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
                       asyncio.TimeoutError)
@@ -125,7 +187,7 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 class ServerAPI:
     """SGLang's HTTP endpoints on one server (sglang 0.5.23 routes and payloads)."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, timeout: float = 600.0):
+    def __init__(self, url: str, session: aiohttp.ClientSession, timeout: float = CONTROL_TIMEOUT_S):
         self.url = url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout)
@@ -134,12 +196,12 @@ class ServerAPI:
                        timeout: float | None = None) -> Any:
         t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
         async with self.session.request(method, self.url + route, json=payload, timeout=t) as r:
-            text = await r.text()
+            body = await r.read()
             if r.status != 200:
-                raise SGLangHTTPError(self.url, route, r.status, text)
+                raise SGLangHTTPError(self.url, route, r.status, body.decode(errors="replace"))
             if r.content_type == "application/json":
-                return await r.json(content_type=None)
-            return text
+                return _loads(body, self.url, route)
+            return await r.text()
 
     async def post(self, route: str, payload: dict | None = None, timeout: float | None = None):
         return await self._request("POST", route, payload if payload is not None else {}, timeout)
@@ -248,14 +310,24 @@ class RolloutClient:
     """Generation over a pool of SGLang servers (see the module docstring for the guarantees).
 
     `servers`: fixed URLs, or a pool with `urls()` (e.g. an EngineManager) read at every pick.
-    `moe_topk`: the router's top-k (num_experts_per_tok), needed to decode routed experts.
+    `request_timeout`: seconds per generation request (and /classify); None: derived from each
+    generate call's max_new_tokens (generation_timeout_s), CONTROL_TIMEOUT_S for /classify.
+    `max_inflight_per_server`: requests of this client in flight on one server at a time.
+    `moe_topk`, `num_experts`: the router's top-k (num_experts_per_tok) and the experts per MoE
+    layer, both needed to decode routed experts (ids are checked against num_experts, and
+    num_experts picks the routes' dtype: records.route_dtype).
     """
 
-    def __init__(self, servers: Sequence[str] | ServerPool, *, request_timeout: float = 600.0,
+    def __init__(self, servers: Sequence[str] | ServerPool, *, request_timeout: float | None = None,
                  connect_timeout: float = 10.0, max_attempts: int = 6,
                  backoff_initial: float = 0.5, backoff_max: float = 8.0,
                  server_wait_timeout: float = 300.0, max_inflight_per_server: int = 64,
-                 moe_topk: int | None = None):
+                 moe_topk: int | None = None, num_experts: int | None = None):
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout = {request_timeout}: seconds > 0, or None to derive it "
+                             "from max_new_tokens")
+        if max_inflight_per_server < 1:
+            raise ValueError(f"max_inflight_per_server = {max_inflight_per_server}: at least 1")
         self._urls: Callable[[], list[str]] = (
             (lambda: list(servers)) if isinstance(servers, (list, tuple)) else servers.urls)
         self.request_timeout = request_timeout
@@ -266,6 +338,7 @@ class RolloutClient:
         self.server_wait_timeout = server_wait_timeout
         self.max_inflight_per_server = max_inflight_per_server
         self.moe_topk = moe_topk
+        self.num_experts = num_experts
         self.retry_events: list[RetryEvent] = []
         self._down: dict[str, float] = {}
         self._inflight: dict[str, dict[str, tuple[int, int]]] = {}
@@ -283,8 +356,8 @@ class RolloutClient:
                 # request ("Server disconnected") after every pause longer than that, e.g. each
                 # training phase between two generation rounds.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=self.request_timeout,
-                                              sock_connect=self.connect_timeout))
+                # Every request passes its own total timeout (ServerAPI); this sets the connect one.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
         return self._session
 
     async def close(self) -> None:
@@ -299,7 +372,7 @@ class RolloutClient:
         await self.close()
 
     def server(self, url: str) -> ServerAPI:
-        return ServerAPI(url, self.session, self.request_timeout)
+        return ServerAPI(url, self.session, CONTROL_TIMEOUT_S)
 
     def servers(self) -> list[ServerAPI]:
         return [self.server(u) for u in self._urls()]
@@ -332,10 +405,10 @@ class RolloutClient:
             delay = min(2 * delay, self.backoff_max)
 
     # --- generation -------------------------------------------------------------------------
-    async def _attempt(self, url: str, payload: dict, route: str = "/generate") -> Any:
+    async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate") -> Any:
         api = self.server(url)
         try:
-            out = await api.post(route, payload, timeout=self.request_timeout)
+            out = await api.post(route, payload, timeout=timeout)
         except SGLangHTTPError as e:
             if e.status >= 500:
                 raise _Retryable(f"HTTP {e.status}: {e.body[:200]}", server_down=True) from e
@@ -347,18 +420,20 @@ class RolloutClient:
                     await asyncio.wait_for(api.abort_request(payload["rid"]), 5.0)
                 except Exception:
                     pass
-            raise _Retryable(f"no answer within {self.request_timeout:.0f}s", server_down=True) from e
+            raise _Retryable(f"no answer within {timeout:.0f}s", server_down=True) from e
         except _CONNECTION_ERRORS as e:
             raise _Retryable(f"{type(e).__name__}: {e}", server_down=True) from e
         if route != "/generate":
             return out
-        if isinstance(out, list):
+        if isinstance(out, list):  # a batch of one (SGLang answers a list for list inputs)
+            if len(out) != 1:
+                raise MalformedResponse("(response)", f"a list of {len(out)} answers to one request")
             out = out[0]
-        fr = out.get("meta_info", {}).get("finish_reason")
-        if (fr.get("type") if isinstance(fr, dict) else fr) == "abort":
+        if finish_reason(out) == "abort":
             if self._aborted.is_set():
                 raise GenerationAborted("generation aborted")
-            raise _Retryable(f"aborted by the server ({fr})", server_down=False)
+            raise _Retryable(f"aborted by the server ({out['meta_info']['finish_reason']})",
+                             server_down=False)
         return out
 
     async def _retrying(self, what: str, i: int, j: int, call: Callable[[str, int], Awaitable[Any]]) -> Any:
@@ -386,25 +461,36 @@ class RolloutClient:
 
     async def _sample(self, batch: str, i: int, j: int, prompt: list[int], payload_base: dict,
                       sampling: SamplingParams, n: int, top_k: int, routed: bool,
-                      sem: dict[str, asyncio.Semaphore]) -> RolloutRecord:
+                      sem: dict[str, asyncio.Semaphore], timeout: float,
+                      on_record: Callable[[RolloutRecord], Any] | None) -> RolloutRecord:
         seed = None if sampling.seed is None else sampling.seed + i * n + j
+        what = f"sample (prompt {i}, sample {j})"
 
-        async def call(url: str, attempt: int) -> dict:
+        async def call(url: str, attempt: int) -> RolloutRecord:
             rid = f"{batch}-{i}-{j}-a{attempt}"
             payload = dict(payload_base, input_ids=prompt, rid=rid,
                            sampling_params=sampling.to_sglang(seed))
             sem.setdefault(url, asyncio.Semaphore(self.max_inflight_per_server))
-            async with sem[url]:
-                self._inflight.setdefault(url, {})[rid] = (i, j)
-                try:
-                    return await self._attempt(url, payload)
-                finally:
-                    self._inflight[url].pop(rid, None)
+            try:
+                async with sem[url]:
+                    self._inflight.setdefault(url, {})[rid] = (i, j)
+                    try:
+                        out = await self._attempt(url, payload, timeout)
+                    finally:
+                        self._inflight[url].pop(rid, None)
+                # Parsed outside the semaphore: the slot goes to the next request meanwhile.
+                return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
+                                          temperature=sampling.temperature, top_k=top_k,
+                                          moe_topk=self.moe_topk if routed else None,
+                                          num_experts=self.num_experts if routed else None)
+            except MalformedResponse as e:
+                raise RolloutError(f"{what}: request {rid} to {url}/generate got a malformed "
+                                   f"response (a server bug; not retried): {e.field}: {e.detail}") from e
 
-        out = await self._retrying(f"sample (prompt {i}, sample {j})", i, j, call)
-        return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
-                                  temperature=sampling.temperature, top_k=top_k,
-                                  moe_topk=self.moe_topk if routed else None)
+        record = await self._retrying(what, i, j, call)
+        if on_record is not None:
+            on_record(record)
+        return record
 
     async def classify(self, sequences: Sequence[Sequence[int]], chunk: int = 64) -> list[float]:
         """Reward-model scores of token-id sequences from servers of a sequence-classification
@@ -412,7 +498,7 @@ class RolloutClient:
         order. Sent in chunks of `chunk` sequences, each retried on another server on failure."""
         async def one(k: int, part: list[list[int]]) -> list[float]:
             async def call(url: str, attempt: int) -> list[float]:
-                out = await self._attempt(url, {"input_ids": part}, route="/classify")
+                out = await self._attempt(url, {"input_ids": part}, timeout, route="/classify")
                 out = out if isinstance(out, list) else [out]
                 if len(out) != len(part) or not all("embedding" in o for o in out):
                     raise RolloutError(f"/classify on {url} answered {len(out)} items for {len(part)} "
@@ -422,17 +508,29 @@ class RolloutClient:
 
             return await self._retrying(f"reward scores (chunk {k})", k, -1, call)
 
+        timeout = CONTROL_TIMEOUT_S if self.request_timeout is None else self.request_timeout
         seqs = [list(map(int, s)) for s in sequences]
         parts = [seqs[a:a + chunk] for a in range(0, len(seqs), chunk)]
         results = await asyncio.gather(*(one(k, p) for k, p in enumerate(parts)))
         return [x for r in results for x in r]
 
     async def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, *,
-                       n: int = 1, top_k_logprobs: int = 0,
-                       return_routed_experts: bool = False) -> list[list[RolloutRecord]]:
-        """n samples for each prompt (token ids): result[i][j] is sample j of prompt i."""
-        if return_routed_experts and self.moe_topk is None:
-            raise ValueError("return_routed_experts needs moe_topk (the model's num_experts_per_tok)")
+                       n: int = 1, top_k_logprobs: int = 0, return_routed_experts: bool = False,
+                       on_record: Callable[[RolloutRecord], Any] | None = None,
+                       ) -> list[list[RolloutRecord]]:
+        """n samples for each prompt (token ids): result[i][j] is sample j of prompt i.
+
+        `on_record(record)`: called in the event loop as soon as each record is built, once per
+        (prompt, sample), before this call returns. If it raises, the call stops as on any error
+        (the other samples are cancelled) and raises that exception. Records already delivered
+        when a call fails or is aborted are not delivered again by it.
+        """
+        if return_routed_experts and (self.moe_topk is None or self.num_experts is None):
+            raise ValueError("return_routed_experts needs the client's moe_topk (num_experts_per_tok) "
+                             f"and num_experts (experts per MoE layer); got moe_topk={self.moe_topk}, "
+                             f"num_experts={self.num_experts}")
+        timeout = (generation_timeout_s(sampling.max_new_tokens) if self.request_timeout is None
+                   else self.request_timeout)
         self._aborted.clear()
         batch = uuid.uuid4().hex[:12]
         payload_base = {"return_logprob": True, "logprob_start_len": -1, "stream": False}
@@ -444,7 +542,8 @@ class RolloutClient:
         keys = list(itertools.product(range(len(prompts)), range(n)))
         tasks = {(i, j): asyncio.ensure_future(self._sample(
                     batch, i, j, list(map(int, prompts[i])), payload_base, sampling, n,
-                    top_k_logprobs, return_routed_experts, sem)) for i, j in keys}
+                    top_k_logprobs, return_routed_experts, sem, timeout, on_record))
+                 for i, j in keys}
         self._tasks.update(tasks.values())
         try:
             await asyncio.gather(*tasks.values())

@@ -100,13 +100,12 @@ def save_rollouts(path, cfg, steps: int) -> None:
             for s in range(r.n_samples):
                 T = int(torch.randint(1, 4, (1,), generator=g))
                 routes = torch.randint(0, tiny.num_experts, (len(prompt) + T - 1, tiny.num_layers, tiny.topk),
-                                       generator=g, dtype=torch.int32) if tiny.moe else None
+                                       generator=g, dtype=torch.uint8) if tiny.moe else None
                 records.append(RolloutRecord(
                     prompt_index=p, sample_index=s, prompt_ids=prompt,
                     response_ids=torch.randint(3, 99, (T,), generator=g),
                     rollout_logp=torch.full((T,), -4.85), topk_ids=None, topk_logp=None,
-                    routed_experts=None if routes is None else routes[len(prompt) - 1:],
-                    prompt_routed_experts=None if routes is None else routes[:len(prompt) - 1],
+                    routes=routes,
                     finish_reason="length", weight_version="0", temperature=1.0))
                 rewards.append(float(s % 2))
         groups = [rec.prompt_index for rec in records]

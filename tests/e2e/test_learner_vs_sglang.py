@@ -20,11 +20,11 @@ PROMPTS = [[1, 40, 41, 18, 20, 2, 5, 1, 13], [1, 33, 31, 17, 30, 98, 2, 5, 1, 13
 N, K, MAX_NEW = 2, 5, 8
 
 
-def generate(url, temperature, moe_topk=None):
+def generate(url, temperature, moe_topk=None, num_experts=None):
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
 
     async def run():
-        async with RolloutClient([url], moe_topk=moe_topk) as client:
+        async with RolloutClient([url], moe_topk=moe_topk, num_experts=num_experts) as client:
             return await client.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=MAX_NEW),
                                          n=N, top_k_logprobs=K, return_routed_experts=moe_topk is not None)
 
@@ -109,7 +109,7 @@ def test_dense_rollout_logprobs_equal_learner(dense_server, temperature):
 @pytest.mark.slow
 def test_moe_routes_and_replay_equal_learner(moe_server):
     hf_path, url = moe_server
-    records = generate(url, 1.0, moe_topk=2)
+    records = generate(url, 1.0, moe_topk=2, num_experts=4)  # make_tiny_checkpoint's defaults
     out, batch, worst_logp, _ = compare(hf_path, records, 1.0, moe=True)
     assert worst_logp <= 1e-4
     routes, recorded = batch["routed_experts"], out["recorded"]

@@ -161,7 +161,7 @@ def rollouts(tmp_path_factory):
                        extra_args=("--enable-deterministic-inference",))  # seeded: same rollouts every run
 
     async def generate(url):
-        async with RolloutClient([url], moe_topk=MODEL["topk"]) as client:
+        async with RolloutClient([url], moe_topk=MODEL["topk"], num_experts=MODEL["num_experts"]) as client:
             return await client.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=0),
                                          n=N, return_routed_experts=True)
 

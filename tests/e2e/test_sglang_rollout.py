@@ -6,6 +6,8 @@
     tokens, with the alignment RolloutRecord documents;
 (c) a server SIGKILLed mid-generation: every prompt still ends with exactly n samples, no
     duplicates, the retries are recorded, and the manager restarts the dead server.
+Every generate call also checks `on_record`: called once per (prompt, sample) with the very
+records the call returns. Record parsing and malformed responses: tests/unit/test_records.py.
 Servers start once per module (two fixtures: one dense server, two MoE servers).
 """
 
@@ -19,13 +21,13 @@ import torch
 
 from megatron_rl.models.tiny import make_tiny_checkpoint
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
-from megatron_rl.rollout.records import decode_routed_experts, force_sampled_into_topk
 from megatron_rl.rollout.server import EngineManager, ServerConfig
 
 pytestmark = pytest.mark.slow
 
 K = 5
 MOE_TOPK = 2
+NUM_EXPERTS = 4
 PROMPTS = [[5, 40, 41, 42], [1, 60, 61, 62, 63, 64, 65], [70, 71], [80, 81, 82, 83, 84]]
 
 
@@ -50,7 +52,8 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_moe")
-    ckpt = make_tiny_checkpoint(d / "ckpt", moe=True, topk=MOE_TOPK, init_std=0.3, seed=2)
+    ckpt = make_tiny_checkpoint(d / "ckpt", moe=True, topk=MOE_TOPK, num_experts=NUM_EXPERTS,
+                                init_std=0.3, seed=2)
     cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
                        enable_return_routed_experts=True)
     with EngineManager(cfg, 2, log_dir=d / "logs", watch_interval=0.5) as mgr:
@@ -58,11 +61,18 @@ def moe(tmp_path_factory):
 
 
 def _generate(mgr, sampling, n, prompts=PROMPTS, **kw):
-    async def go():
-        async with RolloutClient(mgr, moe_topk=MOE_TOPK) as client:
-            return await client.generate(prompts, sampling, n=n, **kw), client.retry_events
+    delivered = []
 
-    return asyncio.run(go())
+    async def go():
+        async with RolloutClient(mgr, moe_topk=MOE_TOPK, num_experts=NUM_EXPERTS) as client:
+            out = await client.generate(prompts, sampling, n=n, on_record=delivered.append, **kw)
+            return out, client.retry_events
+
+    out, events = asyncio.run(go())
+    assert sorted((r.prompt_index, r.sample_index) for r in delivered) == [
+        (i, j) for i in range(len(prompts)) for j in range(n)]
+    assert {id(r) for r in delivered} == {id(r) for row in out for r in row}
+    return out, events
 
 
 def _check_against_hf(model, rec, temperature):
@@ -184,7 +194,8 @@ def test_killed_server_mid_generation(moe):
     n = 4
 
     async def go():
-        async with RolloutClient(mgr, moe_topk=MOE_TOPK, backoff_initial=0.2) as client:
+        async with RolloutClient(mgr, moe_topk=MOE_TOPK, num_experts=NUM_EXPERTS,
+                                 backoff_initial=0.2) as client:
             task = asyncio.ensure_future(client.generate(
                 PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=150), n=n,
                 top_k_logprobs=K, return_routed_experts=True))
@@ -214,25 +225,3 @@ def test_killed_server_mid_generation(moe):
                         return_routed_experts=True)
     assert all(r.routed_experts.shape[0] == r.num_response_tokens for row in out2 for r in row)
 
-
-# --- record construction (pure) ------------------------------------------------------------
-def test_force_sampled_into_topk():
-    ids = torch.tensor([[7, 3, 9], [1, 2, 4]])
-    logp = torch.tensor([[-0.1, -0.5, -0.9], [-0.2, -0.3, -0.4]])
-    new_ids, new_logp = force_sampled_into_topk(ids, logp, torch.tensor([3, 8]),
-                                                torch.tensor([-0.5, -3.0]))
-    assert new_ids.tolist() == [[7, 3, 9], [1, 2, 8]]
-    assert new_logp.tolist()[1] == pytest.approx([-0.2, -0.3, -3.0])
-    assert ids.tolist() == [[7, 3, 9], [1, 2, 4]]  # inputs untouched
-
-
-def test_decode_routed_experts_layout():
-    import base64
-
-    import numpy as np
-
-    arr = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2)
-    b64 = base64.b64encode(arr.tobytes()).decode()
-    assert torch.equal(decode_routed_experts(b64, 5, 2), torch.from_numpy(arr))
-    with pytest.raises(ValueError, match="rows"):
-        decode_routed_experts(b64, 4, 2)

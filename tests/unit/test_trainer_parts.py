@@ -20,10 +20,8 @@ def record(prompt, response, logp, topk=None, routes=None, i=0, j=0, finish="sto
     P, T = len(prompt), len(response)
     return RolloutRecord(
         prompt_index=i, sample_index=j, prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(response),
-        rollout_logp=torch.tensor(logp), topk_ids=None if topk is None else topk[0],
-        topk_logp=None if topk is None else topk[1],
-        routed_experts=None if routes is None else routes[P - 1:],
-        prompt_routed_experts=None if routes is None else routes[:P - 1],
+        rollout_logp=torch.tensor(logp), topk_ids=None if topk is None else topk[0].int(),
+        topk_logp=None if topk is None else topk[1], routes=routes,
         finish_reason=finish, weight_version="0", temperature=1.0)
 
 
@@ -40,7 +38,7 @@ def test_batch_alignment_matches_records():
         resp = torch.randint(3, 90, (T,), generator=g).tolist()
         topk_ids = torch.stack([torch.randperm(90, generator=g)[:3] for _ in range(T)])
         topk = (topk_ids, torch.randn(T, 3, generator=g))
-        routes = torch.randint(0, 4, (P + T - 1, 2, 2), generator=g, dtype=torch.int32)
+        routes = torch.randint(0, 4, (P + T - 1, 2, 2), generator=g, dtype=torch.uint8)
         recs.append(record(prompt, resp, torch.randn(T, generator=g).tolist(), topk, routes, i=i))
     b = build(recs, [1.0, 0.0, 1.0], with_topk=True, with_routes=True, num_experts=4)
     # Compact storage: routes uint8 per sequence, top-K only on response rows, ids int32.

@@ -1,0 +1,136 @@
+"""Rollout client's response parsing at the DPPO paper's scale: one SGLang /generate response body
+of T = 16384 response tokens with top-20 log-probs and routed experts of a Qwen3-30B-A3B shape
+(48 MoE layers, top-8 of 128 experts), P = 256 prompt tokens, built the way SGLang builds it
+(float32 log-probs as Python floats, [logp, id, null] triples, base64 int32 routes, orjson).
+
+Times (best of --repeat, one process, this machine):
+- `decode`: the HTTP body → Python objects, as the client does it (orjson, cyclic GC paused),
+  next to the json module with GC on (what aiohttp's `r.text()` + `r.json()` amounts to);
+- `record_from_sglang` with log-probs only, + top-K, + routes, and all three;
+- `client_generate`: one `RolloutClient.generate` sample end to end over local HTTP, from a
+  small aiohttp app answering that body (body transfer, decode and record);
+- the bytes one record keeps.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_rollout_parse.py [--tokens 16384 --json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_rl.rollout.client import RolloutClient, SamplingParams, _loads  # noqa: E402
+from megatron_rl.rollout.records import record_from_sglang  # noqa: E402
+
+
+def sglang_body(T: int, K: int, P: int, L: int, k: int, E: int, vocab: int = 151936, seed: int = 0):
+    """(prompt ids, JSON body bytes) shaped like SGLang 0.5.23's /generate answer."""
+    g = np.random.default_rng(seed)
+    ids = g.integers(0, vocab, T)
+    logp = (-g.exponential(1.0, T)).astype(np.float32)
+    top_ids = g.integers(0, vocab, (T, K))
+    top_lp = np.sort((-g.exponential(3.0, (T, K))).astype(np.float32), axis=1)[:, ::-1]
+    top_ids[::2, 0], top_lp[::2, 0] = ids[::2], logp[::2]  # sampled token listed in half the rows
+    top = [[[lp, i, None] for lp, i in zip(a, b)] for a, b in zip(top_lp.tolist(), top_ids.tolist())]
+    # Routes: k distinct experts per (position, layer), drawn from a pool of distinct sets.
+    pool = np.stack([g.permutation(E)[:k] for _ in range(256)]).astype(np.int32)
+    routes = pool[g.integers(0, len(pool), (P + T - 1, L))]
+    meta = {"id": "bench", "finish_reason": {"type": "length", "length": T}, "prompt_tokens": P,
+            "completion_tokens": T, "cached_tokens": 0, "weight_version": "default",
+            "output_token_logprobs": [[lp, i, None] for lp, i in zip(logp.tolist(), ids.tolist())],
+            "output_top_logprobs": top,
+            "routed_experts": base64.b64encode(routes.tobytes()).decode()}
+    body = orjson.dumps({"text": "", "output_ids": ids.tolist(), "meta_info": meta})
+    return g.integers(0, vocab, P).tolist(), body
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def time_client(body: bytes, prompt: list[int], a, repeat: int) -> float:
+    """Best wall time of one generate() sample against a local app that answers `body`."""
+    from aiohttp import web
+
+    async def answer(request):
+        await request.read()
+        return web.Response(body=body, content_type="application/json")
+
+    async def go() -> float:
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/generate", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        times = []
+        try:
+            async with RolloutClient([url], moe_topk=a.router_topk, num_experts=a.experts) as client:
+                for _ in range(repeat):
+                    gc.collect()
+                    t = time.perf_counter()
+                    await client.generate([prompt], SamplingParams(max_new_tokens=a.tokens), n=1,
+                                          top_k_logprobs=a.topk, return_routed_experts=True)
+                    times.append(time.perf_counter() - t)
+        finally:
+            await runner.cleanup()
+        return min(times)
+
+    return asyncio.run(go())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=20)
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--router-topk", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+
+    prompt, body = sglang_body(a.tokens, a.topk, a.prompt, a.layers, a.router_topk, a.experts)
+    res = {"body_mb": len(body) / 1e6}
+    res["decode_json_gc_on_s"] = best(lambda: json.loads(body.decode()), a.repeat)
+    res["decode_client_s"] = best(lambda: _loads(body, "bench", "/generate"), a.repeat)
+    resp = _loads(body, "bench", "/generate")
+    kw = dict(prompt_ids=prompt, prompt_index=0, sample_index=0, temperature=1.0, num_experts=a.experts)
+    for name, top_k, moe_topk in [("logp", 0, None), ("topk", a.topk, None),
+                                  ("routes", 0, a.router_topk), ("all", a.topk, a.router_topk)]:
+        res[f"record_{name}_s"] = best(lambda: record_from_sglang(resp, top_k=top_k, moe_topk=moe_topk, **kw),
+                                       a.repeat)
+    res["client_generate_s"] = time_client(body, prompt, a, a.repeat)
+    rec = record_from_sglang(resp, top_k=a.topk, moe_topk=a.router_topk, **kw)
+    res["record_bytes"] = sum(t.numel() * t.element_size() for t in
+                              (rec.prompt_ids, rec.response_ids, rec.rollout_logp, rec.topk_ids,
+                               rec.topk_logp, rec.routes))
+    res["routes_dtype"] = str(rec.routes.dtype)
+    res["decode_plus_record_s"] = res["decode_client_s"] + res["record_all_s"]
+    for key, v in res.items():
+        print(f"{key:24s} {v:.4f}" if isinstance(v, float) else f"{key:24s} {v}")
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

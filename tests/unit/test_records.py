@@ -1,0 +1,356 @@
+"""Rollout records from SGLang-shaped responses, and the client around them, without SGLang.
+
+Responses are built here the way SGLang 0.5.23 builds them (tokenizer_manager.py: [logp, id,
+null] triples, base64 int32 routes; orjson) from known arrays, which are the reference. The
+client tests serve such bodies from a small local aiohttp app: what they test is the client's
+side (request identity in errors, no retry of a server bug, on_record, concurrency cap,
+derived timeouts), which needs answers a real server would not give on demand. SGLang's own
+answers are checked against HF in tests/e2e/test_sglang_rollout.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from megatron_rl.config.schema import RolloutConfig
+from megatron_rl.rollout import client as client_mod
+from megatron_rl.rollout.client import RolloutClient, RolloutError, SamplingParams, request_timeout_s
+from megatron_rl.rollout.records import (
+    NO_ROUTE_U8,
+    MalformedResponse,
+    decode_routed_experts,
+    force_sampled_into_topk,
+    no_route,
+    record_from_sglang,
+    route_dtype,
+)
+
+L, KR, E, K = 3, 2, 8, 4  # MoE layers, router top-k, experts, top-K log-probs
+
+
+def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length"):
+    """(response as orjson parses SGLang's body, reference arrays)."""
+    g = np.random.default_rng(seed)
+    P = len(prompt)
+    out_ids = g.integers(0, 1000, T)
+    logp = (-g.exponential(1.0, T)).astype(np.float32)
+    top_ids = np.stack([g.permutation(1000)[:top_k] for _ in range(T)])
+    top_lp = np.sort((-g.exponential(2.0, (T, top_k))).astype(np.float32), axis=1)[:, ::-1].copy()
+    top_ids[::2, 1] = out_ids[::2]  # even rows list the sampled token, odd rows (mostly) not
+    routes = np.stack([[g.permutation(experts)[:KR] for _ in range(L)] for _ in range(P + T - 1)])
+    meta = {"id": "abc", "finish_reason": {"type": finish, "length": T} if finish == "length" else {"type": finish},
+            "prompt_tokens": P, "completion_tokens": T, "weight_version": "7",
+            "output_token_logprobs": [[float(a), int(b), None] for a, b in zip(logp, out_ids)],
+            "output_top_logprobs": [[[float(a), int(b), None] for a, b in zip(ra, rb)]
+                                    for ra, rb in zip(top_lp, top_ids)],
+            "routed_experts": base64.b64encode(routes.astype(np.int32).tobytes()).decode()}
+    body = orjson.dumps({"text": "...", "output_ids": out_ids.tolist(), "meta_info": meta})
+    return orjson.loads(body), dict(out_ids=out_ids, logp=logp, top_ids=top_ids, top_lp=top_lp,
+                                    routes=routes)
+
+
+def build(resp, prompt, top_k=K, moe_topk=KR, num_experts=E):
+    return record_from_sglang(resp, prompt_ids=prompt, prompt_index=3, sample_index=1, temperature=0.7,
+                              top_k=top_k, moe_topk=moe_topk, num_experts=num_experts)
+
+
+def test_record_fields_layouts_and_dtypes():
+    prompt = [5, 6, 7, 8, 9]
+    P, T = len(prompt), 7
+    resp, ref = sglang_response(prompt, T)
+    rec = build(resp, prompt)
+    assert (rec.prompt_index, rec.sample_index, rec.finish_reason, rec.weight_version) == (3, 1, "length", "7")
+    assert rec.prompt_ids.tolist() == prompt and rec.prompt_ids.dtype == torch.int64
+    assert rec.response_ids.tolist() == ref["out_ids"].tolist() and rec.response_ids.dtype == torch.int64
+    assert rec.rollout_logp.dtype == torch.float32 and np.array_equal(rec.rollout_logp.numpy(), ref["logp"])
+    # top-K: int32 / float32; a row without the sampled token gets it (and its log-prob) last.
+    assert rec.topk_ids.dtype == torch.int32 and rec.topk_logp.dtype == torch.float32
+    forced = 0
+    for t in range(T):
+        ids, lp = ref["top_ids"][t].tolist(), ref["top_lp"][t].tolist()
+        if ref["out_ids"][t] not in ids:
+            ids[-1], lp[-1] = int(ref["out_ids"][t]), float(ref["logp"][t])
+            forced += 1
+        assert rec.topk_ids[t].tolist() == ids and rec.topk_logp[t].tolist() == lp
+    assert forced >= 2
+    # Routes: one uint8 tensor over all P+T-1 input positions; the two fields are views of it.
+    assert rec.routes.dtype == torch.uint8 and rec.routes.shape == (P + T - 1, L, KR)
+    assert np.array_equal(rec.routes.numpy(), ref["routes"])
+    assert rec.sequence_routed_experts() is rec.routes
+    assert rec.routed_experts.shape == (T, L, KR) and rec.prompt_routed_experts.shape == (P - 1, L, KR)
+    base = rec.routes.untyped_storage().data_ptr()
+    assert rec.routed_experts.untyped_storage().data_ptr() == base == rec.prompt_routed_experts.untyped_storage().data_ptr()
+    assert rec.routed_experts.data_ptr() == rec.routes[P - 1].data_ptr()
+    with pytest.raises(AttributeError):
+        rec.routed_experts = rec.routes
+    # Dense / not requested: no top-K, no routes.
+    plain = build(resp, prompt, top_k=0, moe_topk=None, num_experts=None)
+    assert plain.topk_ids is None and plain.routes is None and plain.routed_experts is None
+    with pytest.raises(ValueError, match="no routed experts"):
+        plain.sequence_routed_experts()
+
+
+def test_route_dtypes_and_sentinels():
+    assert route_dtype(128) == torch.uint8 and route_dtype(255) == torch.uint8
+    assert route_dtype(256) == torch.int16 and route_dtype(32767) == torch.int16
+    assert no_route(torch.uint8) == NO_ROUTE_U8 == 255 and no_route(torch.int16) == -1
+    for bad in (0, 32768):
+        with pytest.raises(ValueError, match="num_experts"):
+            route_dtype(bad)
+    with pytest.raises(ValueError, match="uint8 or int16"):
+        no_route(torch.int64)
+    # 300 experts: int16, ids above 255 kept exactly.
+    arr = np.array([[[299, 0]], [[256, 17]]], dtype=np.int32)
+    out = decode_routed_experts(base64.b64encode(arr.tobytes()).decode(), 2, 2, 300)
+    assert out.dtype == torch.int16 and out.tolist() == arr.tolist()
+    # 255 experts: the largest id, 254, is still below the sentinel.
+    arr = np.array([[[254, 0]]], dtype=np.int32)
+    assert decode_routed_experts(base64.b64encode(arr.tobytes()).decode(), 1, 2, 255).tolist() == [[[254, 0]]]
+
+
+def test_decode_routed_experts_layout_and_errors():
+    arr = np.arange(5 * 3 * 2, dtype=np.int32).reshape(5, 3, 2) % 7
+    b64 = base64.b64encode(arr.tobytes()).decode()
+    assert torch.equal(decode_routed_experts(b64, 5, 2, 7), torch.from_numpy(arr.astype(np.uint8)))
+    with pytest.raises(MalformedResponse, match="not 4 rows"):
+        decode_routed_experts(b64, 4, 2, 7)
+    bad = arr.copy()
+    bad[3, 1, 0] = -2  # negative: caught by the same one-pass check as ids >= num_experts
+    with pytest.raises(MalformedResponse, match=r"row 3 \(input position 3\), layer 1 names expert -2"):
+        decode_routed_experts(base64.b64encode(bad.tobytes()).decode(), 5, 2, 7)
+    with pytest.raises(MalformedResponse, match="not valid base64"):
+        decode_routed_experts(b64[:-3] + "*==", 5, 2, 7)
+
+
+def test_force_sampled_into_topk():
+    ids = torch.tensor([[7, 3, 9], [1, 2, 4]], dtype=torch.int32)
+    logp = torch.tensor([[-0.1, -0.5, -0.9], [-0.2, -0.3, -0.4]])
+    new_ids, new_logp = force_sampled_into_topk(ids, logp, torch.tensor([3, 8], dtype=torch.int32),
+                                                torch.tensor([-0.5, -3.0]))
+    assert new_ids.tolist() == [[7, 3, 9], [1, 2, 8]]
+    assert new_logp.tolist()[1] == pytest.approx([-0.2, -0.3, -3.0])
+    assert ids.tolist() == [[7, 3, 9], [1, 2, 4]]  # inputs untouched
+
+
+def _set(path):
+    """A mutation setting the value at `path` (keys / indices) of the response."""
+    *head, last = path
+
+    def mutate(resp, value):
+        node = resp
+        for p in head:
+            node = node[p]
+        if value is KeyError:
+            del node[last]
+        else:
+            node[last] = value
+    return mutate
+
+
+def _routes_with(resp, rows_delta=0, bad_id=None):
+    raw = np.frombuffer(base64.b64decode(resp["meta_info"]["routed_experts"]), np.int32).copy()
+    raw = raw.reshape(-1, L, KR)
+    if rows_delta:
+        raw = raw[:rows_delta]
+    if bad_id is not None:
+        raw[6, 2, 1] = bad_id
+    resp["meta_info"]["routed_experts"] = base64.b64encode(raw.tobytes()).decode()
+
+
+MI = "meta_info"
+MALFORMED = {
+    # name: (mutation of the response, field named, detail pattern)
+    "missing_output_ids": (lambda r: _set(["output_ids"])(r, KeyError), "output_ids", "missing"),
+    "logp_id_is_string": (lambda r: _set([MI, "output_token_logprobs", 4, 1])(r, "17"),
+                          "meta_info.output_token_logprobs[4][1]", "expected a token id .*str '17'"),
+    "logp_is_string": (lambda r: _set([MI, "output_token_logprobs", 5, 0])(r, "-0.5"),
+                       "meta_info.output_token_logprobs[5][0]", "expected a log-prob .*str '-0.5'"),
+    "logp_is_null": (lambda r: _set([MI, "output_token_logprobs", 2, 0])(r, None),
+                     "meta_info.output_token_logprobs[2][0]", "got NoneType None"),
+    "logp_id_mismatch": (lambda r: _set([MI, "output_token_logprobs", 3, 1])(r, 1001),
+                         "meta_info.output_token_logprobs[3][1]", "differs from output_ids"),
+    "topk_row_too_short": (lambda r: r[MI]["output_top_logprobs"][6].pop(),
+                           "meta_info.output_top_logprobs[6]", f"expected {K} .* got {K - 1} entries"),
+    "topk_id_is_float": (lambda r: _set([MI, "output_top_logprobs", 1, 2, 1])(r, 3.0),
+                         "meta_info.output_top_logprobs[1][2][1]", "expected a token id .*float"),
+    "topk_missing": (lambda r: _set([MI, "output_top_logprobs"])(r, KeyError),
+                     "meta_info.output_top_logprobs", "missing"),
+    "routes_wrong_size": (lambda r: _routes_with(r, rows_delta=-1), "meta_info.routed_experts",
+                          "not 11 rows"),
+    "routes_bad_expert": (lambda r: _routes_with(r, bad_id=E), "meta_info.routed_experts",
+                          f"row 6 \\(input position 6\\), layer 2 names expert {E}, outside \\[0, {E}\\)"),
+    "routes_missing": (lambda r: _set([MI, "routed_experts"])(r, KeyError), "meta_info.routed_experts",
+                       "--enable-return-routed-experts"),
+    "unknown_finish_reason": (lambda r: _set([MI, "finish_reason"])(r, {"type": "eos"}),
+                              "meta_info.finish_reason", "'eos'"),
+    "no_meta_info": (lambda r: _set([MI])(r, KeyError), "meta_info", "missing"),
+}
+PROMPT = [5, 6, 7, 8, 9]  # P = 5, T = 7 below: 11 route rows
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_response_names_the_field(name):
+    mutate, field, detail = MALFORMED[name]
+    resp, _ = sglang_response(PROMPT, 7)
+    mutate(resp)
+    with pytest.raises(MalformedResponse, match=detail) as e:
+        build(resp, PROMPT)
+    assert e.value.field == field
+
+
+# --- the client, against a local app serving SGLang-shaped bodies -----------------------------
+class FakeSGLang:
+    """/generate answers an SGLang-shaped body for the request's prompt; `mutate[(i, j)]` edits
+    the answer to sample (i, j) (read from the rid the client sends), `hold[(i, j)]` is awaited
+    first. Counts requests and the most requests in flight at once."""
+
+    def __init__(self, mutate=None, hold=None, delay=0.0, body=None):
+        self.mutate, self.hold, self.delay, self.body = mutate or {}, hold or {}, delay, body
+        self.requests: list[str] = []
+        self.inflight = self.max_inflight = 0
+
+    async def generate(self, request):
+        from aiohttp import web
+
+        req = await request.json()
+        _, i, j, _ = req["rid"].rsplit("-", 3)
+        key = (int(i), int(j))
+        self.requests.append(req["rid"])
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            if key in self.hold:
+                await self.hold[key]()
+            await asyncio.sleep(self.delay)
+        finally:
+            self.inflight -= 1
+        if self.body is not None:
+            return web.Response(body=self.body, content_type="application/json")
+        T = 7
+        resp, _ = sglang_response(req["input_ids"], T, seed=hash(key) % 1000,
+                                  top_k=req.get("top_logprobs_num", K))
+        if key in self.mutate:
+            self.mutate[key](resp)
+        return web.Response(body=orjson.dumps(resp), content_type="application/json")
+
+    async def abort_request(self, request):  # and /health
+        from aiohttp import web
+
+        return web.json_response({})
+
+    async def __aenter__(self):
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_get("/health", self.abort_request)  # a timed-out server is probed
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.runner.cleanup()
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
+
+
+def _run(server: FakeSGLang, n=2, client_kw=None, **gen_kw):
+    async def go():
+        async with server:
+            async with RolloutClient([server.url], moe_topk=KR, num_experts=E, backoff_initial=0.05,
+                                     **(client_kw or {})) as client:
+                out = await client.generate(PROMPTS, SamplingParams(max_new_tokens=7), n=n,
+                                            top_k_logprobs=K, return_routed_experts=True, **gen_kw)
+                return out, client
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("name", ["missing_output_ids", "logp_id_is_string", "topk_row_too_short",
+                                  "routes_wrong_size", "routes_bad_expert", "unknown_finish_reason"])
+def test_client_names_request_and_field_and_does_not_retry(name):
+    mutate, field, detail = MALFORMED[name]
+    server = FakeSGLang(mutate={(1, 0): mutate})
+    with pytest.raises(RolloutError) as e:
+        _run(server)
+    msg = str(e.value)
+    (rid,) = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["1", "0"]]  # sent once
+    assert rid.endswith("-1-0-a0")
+    assert f"sample (prompt 1, sample 0): request {rid} to {server.url}/generate" in msg, msg
+    assert f": {field}: " in msg and isinstance(e.value.__cause__, MalformedResponse), msg
+    assert e.value.__cause__.field == field
+
+
+def test_client_invalid_json_body_names_request():
+    server = FakeSGLang(body=b'{"text": "x", "output_ids": [1, 2')
+    with pytest.raises(RolloutError, match=r"sample \(prompt \d, sample \d\): request \w+-\d-\d-a0 to "
+                       r"http://127.0.0.1:\d+/generate got a malformed .*\(body\): .*invalid JSON"):
+        _run(server)
+
+
+def test_on_record_is_called_once_per_sample_as_each_finishes():
+    """Sample (0, 0) is held on the server until on_record has seen every other sample: a client
+    that delivered records only at the end would never release it (the test would time out)."""
+    seen: list = []
+    release = asyncio.Event()
+    n = 3
+
+    def on_record(rec):
+        seen.append((rec.prompt_index, rec.sample_index, rec))
+        if len(seen) == len(PROMPTS) * n - 1:
+            release.set()
+
+    async def hold():
+        await asyncio.wait_for(release.wait(), 10)
+
+    out, _ = _run(FakeSGLang(hold={(0, 0): hold}), n=n, on_record=on_record)
+    assert [k[:2] for k in seen[-1:]] == [(0, 0)]  # the held one came last
+    assert sorted(k[:2] for k in seen) == [(i, j) for i in range(len(PROMPTS)) for j in range(n)]
+    assert [id(r) for *_, r in sorted(seen, key=lambda s: s[:2])] == [id(r) for row in out for r in row]
+
+    def boom(rec):
+        raise RuntimeError("reward scorer failed")
+
+    with pytest.raises(RuntimeError, match="reward scorer failed"):
+        _run(FakeSGLang(), on_record=boom)
+
+
+def test_inflight_cap_per_server():
+    server = FakeSGLang(delay=0.5)
+    _run(server, n=4, client_kw=dict(max_inflight_per_server=3))
+    assert server.max_inflight == 3 and len(server.requests) == 8
+    server = FakeSGLang(delay=0.5)
+    _run(server, n=4)  # default 64: all 8 at once
+    assert server.max_inflight == 8
+    with pytest.raises(ValueError, match="max_inflight_per_server"):
+        RolloutClient(["http://x"], max_inflight_per_server=0)
+
+
+def test_request_timeout_derived_from_max_new_tokens(monkeypatch):
+    cfg = RolloutConfig()
+    assert cfg.request_timeout is None and cfg.max_inflight_per_server == 64
+    assert request_timeout_s(RolloutConfig(max_new_tokens=16384)) == 300 + 16384 / 8 == 2348
+    assert request_timeout_s(RolloutConfig(max_new_tokens=16384, request_timeout=90.0)) == 90.0
+    # The client derives each call's timeout the same way: with a 0.4 s base, max_new_tokens=7
+    # allows 0.4 + 7/8 ≈ 1.3 s; the first attempt of (0, 1) takes 2 s, so it is retried.
+    monkeypatch.setattr(client_mod, "TIMEOUT_BASE_S", 0.4)
+    calls = []
+
+    async def slow_once():
+        calls.append(1)
+        if len(calls) == 1:
+            await asyncio.sleep(2)
+
+    out, client = _run(FakeSGLang(hold={(0, 1): slow_once}))
+    assert len(calls) == 2 and [e.reason for e in client.retry_events] == ["no answer within 1s"]
+    assert out[0][1].sample_index == 1
