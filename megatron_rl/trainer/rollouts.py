@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import os
 import socket
 import time
@@ -30,6 +31,7 @@ from megatron_rl.distributed.collectives import all_reduce_sum
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.rewards import get_reward
+from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
 from megatron_rl.rollout.placement import server_device
@@ -66,7 +68,8 @@ class Rollouts:
         self.transport = None
         self.client = None
         self.moe_topk, self.num_experts = moe_topk, num_experts
-        self.reward_fn = get_reward(cfg.data.reward)
+        self.rewards = None
+        get_reward(cfg.data.reward)  # an unknown name fails here, with the valid names
         self._restarts_seen = 0
         r = cfg.rollout
         device = server_device(cfg)
@@ -100,8 +103,13 @@ class Rollouts:
                              f"{socket.gethostname()} cannot reach its servers: use "
                              "rollout.placement=disaggregated with rollout.server_urls on multi-node jobs")
         self.client = RolloutClient(self.manager if self.manager else urls,
-                                    request_timeout=r.request_timeout, moe_topk=moe_topk)
+                                    request_timeout=r.request_timeout, moe_topk=moe_topk,
+                                    num_experts=num_experts, max_inflight_per_server=r.max_inflight_per_server)
         self._loop = asyncio.new_event_loop()
+        # Rewards are scored in worker processes as responses arrive (a per-call timeout: a
+        # pathological answer cannot hang the step).
+        self.rewards = RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout)
+        self._calls = itertools.count()
 
     def _local_server_gpus(self) -> Optional[list[list[str]]]:
         """Collective: the GPUs of rank 0's servers (rollout.gpu_ids), checked against the GPUs
@@ -137,29 +145,38 @@ class Rollouts:
                               seed=seed)
 
     def sample(self, prompts: list[Prompt], n: int, sampling: SamplingParams, top_k: int = 0,
-               routes: bool = False, first_index: Optional[list[int]] = None) -> list[list[RolloutRecord]]:
-        """n samples of each prompt. `first_index`: the prompts' indices in the whole round, so
-        that a seeded sample's seed does not depend on which producer draws it."""
+               routes: bool = False, first_index: Optional[list[int]] = None
+               ) -> tuple[list[list[RolloutRecord]], list[list[float]], dict[str, float]]:
+        """n samples of each prompt and their rewards (scored by the pool while the other samples
+        are still generating); metrics: reward/timeouts, time/reward_wait. `first_index`: the
+        prompts' indices in the whole round, so that a seeded sample's seed does not depend on
+        which producer draws it."""
+        call = next(self._calls)
+
+        def scorer(offset: int):
+            def on_record(rec: RolloutRecord) -> None:
+                i = offset + rec.prompt_index
+                text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=False)
+                self.rewards.submit((call, i, rec.sample_index), text, prompts[i].answer)
+            return on_record
+
         if first_index is not None and self.cfg.rollout.seeded:
             # Seeds follow (prompt, sample) within the round (client: seed + i·n + j): one concurrent
             # call per prompt with the seed shifted to that prompt's index.
             async def calls():
                 return await asyncio.gather(*(
                     self.client.generate([p.ids], dataclasses.replace(sampling, seed=sampling.seed + i * n),
-                                         n=n, top_k_logprobs=top_k, return_routed_experts=routes)
-                    for p, i in zip(prompts, first_index)))
+                                         n=n, top_k_logprobs=top_k, return_routed_experts=routes,
+                                         on_record=scorer(k))
+                    for k, (p, i) in enumerate(zip(prompts, first_index))))
 
-            return [g for out in self._run(calls()) for g in out]
-        return self._run(self.client.generate([p.ids for p in prompts], sampling, n=n,
-                                              top_k_logprobs=top_k, return_routed_experts=routes))
-
-    def score(self, prompts: list[Prompt], groups: list[list[RolloutRecord]]) -> list[list[float]]:
-        out = []
-        for p, group in zip(prompts, groups):
-            texts = self.tokenizer.batch_decode([r.response_ids.tolist() for r in group],
-                                                skip_special_tokens=False)
-            out.append([float(self.reward_fn(t, p.answer)) for t in texts])
-        return out
+            groups = [g for out in self._run(calls()) for g in out]
+        else:
+            groups = self._run(self.client.generate([p.ids for p in prompts], sampling, n=n, top_k_logprobs=top_k,
+                                                    return_routed_experts=routes, on_record=scorer(0)))
+        got = self.rewards.collect([(call, i, j) for i in range(len(prompts)) for j in range(n)])
+        rewards = [[got.scores[(call, i, j)] for j in range(n)] for i in range(len(prompts))]
+        return groups, rewards, got.metrics()
 
     def generate(self, take, step: int) -> tuple[list[RolloutRecord], list[float], list[int], dict]:
         """Producers (one per data-parallel rank, collective over them): this rank's share of one
@@ -178,17 +195,19 @@ class Rollouts:
         order: list[tuple[int, int]] = []  # (round, prompt) of every kept group, in batch order
         spare: list[tuple[int, int]] = []
         mine: dict[tuple[int, int], tuple[list[RolloutRecord], list[float]]] = {}
-        rounds = 0
+        rounds, timeouts, reward_wait = 0, 0, 0.0
         start = time.perf_counter()
         retries0 = len(self.client.retry_events)
         top_k = r.top_k_logprobs if a.divergence in TOPK_DIVERGENCES else 0
         while len(order) < want and rounds < (r.max_generation_rounds if r.dynamic_sampling else 1):
             prompts = take(want - len(order) if rounds else want)
             js = list(range(me, len(prompts), dp))
-            groups = self.sample([prompts[j] for j in js], r.n_samples,
-                                 self.sampling(step, r.temperature, r.max_new_tokens, r.top_p, salt=rounds),
-                                 top_k=top_k, routes=a.router_replay == "r3", first_index=js)
-            rewards = self.score([prompts[j] for j in js], groups)
+            groups, rewards, scored = self.sample(
+                [prompts[j] for j in js], r.n_samples,
+                self.sampling(step, r.temperature, r.max_new_tokens, r.top_p, salt=rounds),
+                top_k=top_k, routes=a.router_replay == "r3", first_index=js)
+            timeouts += scored["reward/timeouts"]
+            reward_wait += scored["time/reward_wait"]
             informative = torch.zeros(len(prompts), dtype=torch.int64)
             for j, g, rw in zip(js, groups, rewards):
                 mine[(rounds, j)] = (g, rw)
@@ -214,27 +233,28 @@ class Rollouts:
             sum(len(set(mine[k][1])) > 1 for k in order if k in mine), len([k for k in order if k in mine]),
             float(sum(rec.num_response_tokens for rec in records)),
             float(sum(rec.finish_reason == "length" for rec in records)),
-            float(len(self.client.retry_events) - retries0)], dtype=torch.float64)
+            float(len(self.client.retry_events) - retries0), float(timeouts)], dtype=torch.float64)
         return records, rewards, gids, {"_sums": sums, "rollout/generation_rounds": float(rounds),
-                                         "time/generate_only": time.perf_counter() - start}
+                                         "time/generate_only": time.perf_counter() - start,
+                                         "time/reward_wait": reward_wait}
 
     @staticmethod
     def finish_metrics(sums: torch.Tensor) -> dict[str, float]:
         """The step's rollout metrics from the producers' summed `_sums`."""
-        n, rsum, pos, informative, n_groups, length, truncated, retries = sums.tolist()
+        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts = sums.tolist()
         n, n_groups = max(n, 1.0), max(n_groups, 1.0)
         return {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
                 "rollout/informative_groups": informative / n_groups,
                 "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
-                "rollout/retries": retries}
+                "rollout/retries": retries, "reward/timeouts": timeouts}
 
     def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
         """Rank 0: mean@k and pass@k on held-out prompts."""
         e = self.cfg.eval
-        groups = self.sample(prompts, e.k, self.sampling(step, e.temperature,
-                                                         e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                                         e.top_p, salt=999))
-        rewards = torch.tensor(self.score(prompts, groups))
+        _, rewards, _ = self.sample(prompts, e.k, self.sampling(step, e.temperature,
+                                                                e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                                                e.top_p, salt=999))
+        rewards = torch.tensor(rewards)
         return {f"eval/mean@{e.k}": float(rewards.mean()),
                 f"eval/pass@{e.k}": float((rewards > 0).any(dim=1).float().mean())}
 
@@ -295,6 +315,7 @@ class Rollouts:
             return
         try:
             self._run(self.client.close())
+            self.rewards.close()
             if self.transport is not None and hasattr(self.transport, "close"):
                 self.transport.close()
         finally:
