@@ -24,6 +24,9 @@ A singleton group has no baseline: its group-relative advantage is 0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from .registry import register
@@ -34,19 +37,45 @@ GRPO_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
 
 
+_SPREAD: contextvars.ContextVar = contextvars.ContextVar("advantages_spread", default=None)
+
+
+@contextlib.contextmanager
+def spread_over(group, device):
+    """Inside the block, the batch handed to an estimator is this rank's part of a batch spread
+    over the data-parallel `group` (a group may span ranks): group statistics and batch whitening
+    use the whole batch (a few per-sequence numbers are all-gathered, token sums all-reduced), so
+    the advantages equal those of the whole batch on one process."""
+    token = _SPREAD.set((group, device))
+    try:
+        yield
+    finally:
+        _SPREAD.reset(token)
+
+
+def _sum(x: Tensor) -> Tensor:
+    spread = _SPREAD.get()
+    if spread is None:
+        return x
+    from megatron_rl.distributed.collectives import all_reduce_sum
+
+    return all_reduce_sum(x, *spread)
+
+
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     mask = mask.bool()
-    return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp_min(1)
+    sums = _sum(torch.stack([torch.where(mask, x, torch.zeros_like(x)).sum(), mask.sum().to(x.dtype)]))
+    return sums[0] / sums[1].clamp_min(1)
 
 
 def whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = WHITEN_EPS) -> Tensor:
     """(x − mean)/sqrt(var + eps) over valid tokens (unbiased variance); invalid tokens → 0.
     `shift_mean=False` keeps the mean (only rescales)."""
     mask = mask.bool()
-    n = mask.sum()
+    n = _sum(mask.sum())
     mean = masked_mean(x, mask)
     centred = torch.where(mask, x - mean, torch.zeros_like(x))
-    var = centred.square().sum() / (n - 1).clamp_min(1)
+    var = _sum(centred.square().sum()) / (n - 1).clamp_min(1)
     out = centred * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + torch.where(mask, mean, torch.zeros_like(mean))
@@ -66,6 +95,23 @@ def group_stats(values_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, 
     """Per-sample (group mean, unbiased group std, group size), each [B]. std is 0 for singletons."""
     if group_ids_B.shape != values_B.shape:
         raise ValueError(f"group_ids has shape {tuple(group_ids_B.shape)}, rewards {tuple(values_B.shape)}")
+    spread = _SPREAD.get()
+    if spread is not None:
+        # Groups may be split across ranks: the statistics of all sequences, read at ours.
+        from megatron_rl.distributed.collectives import all_gather_varlen
+
+        import torch.distributed as dist
+
+        vals = all_gather_varlen(values_B.double(), *spread)
+        ids = all_gather_varlen(group_ids_B.long(), *spread)
+        me = dist.get_rank(spread[0])
+        lo = sum(v.numel() for v in vals[:me])
+        stats = _group_stats(torch.cat(vals), torch.cat(ids))
+        return tuple(t[lo:lo + values_B.numel()].to(values_B.dtype).to(values_B.device) for t in stats)
+    return _group_stats(values_B, group_ids_B)
+
+
+def _group_stats(values_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     _, inv = torch.unique(group_ids_B, return_inverse=True)
     G = int(inv.max()) + 1 if inv.numel() else 0
     count = torch.zeros(G, dtype=values_B.dtype, device=values_B.device).index_add_(0, inv, torch.ones_like(values_B))

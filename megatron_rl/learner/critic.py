@@ -41,6 +41,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.learner import Learner
 from megatron_rl.models.heads import build_scalar_head_chunks
+from megatron_rl.trainer.batch import RolloutBatch
 
 
 class ScalarHeadLearner(Learner):
@@ -73,6 +74,8 @@ class ScalarHeadLearner(Learner):
             return out_BS1.new_zeros(()), {"rows": pick(out_BS1[..., 0].float(), mb)}
 
         per_mb = self.run_micro_batches(batch, collect, forward_only=True)
+        if isinstance(batch, RolloutBatch):  # this rank's own sequences
+            return self.local_rows(batch, per_mb, "rows", row_shape)
         B = batch["input_ids"].shape[0]
         local = torch.zeros(B // self.ctx.dp, *row_shape, dtype=torch.float32, device=self.ctx.device)
         if self.ctx.is_last_stage:
@@ -144,8 +147,9 @@ class Critic(ScalarHeadLearner):
                          head_init_std=head_init_std)
 
     def forward_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """V for every position of the global batch, [B, S] fp32, on every rank (needs `input_ids`)."""
-        S = batch["input_ids"].shape[1]
+        """V for every position of the global batch, [B, S] fp32, on every rank (needs `input_ids`);
+        of a `RolloutBatch`, this rank's [b, its longest] values."""
+        S = int(batch.seq_lens.max()) if isinstance(batch, RolloutBatch) else batch["input_ids"].shape[1]
         return self._forward_rows(batch, lambda v, mb: v[:, :S], (S,))
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -161,11 +165,16 @@ class Critic(ScalarHeadLearner):
         if missing:
             raise KeyError(f"critic batch lacks {missing} (value loss {self.value_loss!r})")
         mask = batch["response_mask"]
-        # Every rank holds the whole global batch: its counts are the global normalisers.
+        # A dict is the whole global batch on every rank: its counts are the global normalisers;
+        # a RolloutBatch holds this rank's sequences: counts are summed over data-parallel ranks.
+        counts = torch.stack([local_count(mask, self.loss_agg_mode).double(),
+                              mask.bool().sum().double()]).to(self.ctx.device)
+        if isinstance(batch, RolloutBatch):
+            dist.all_reduce(counts, group=self.ctx.dp_group)
         loss_fn = partial(value_loss_closure, loss_name=self.value_loss, clip_eps=self.value_clip,
                           agg_mode=self.loss_agg_mode,
-                          normalizer=local_count(mask, self.loss_agg_mode),
-                          n_tokens=float(mask.bool().sum()),
+                          normalizer=counts[0].to(torch.int64),
+                          n_tokens=float(counts[1]),
                           max_response_length=self.max_response_length)
         metrics = super().train_step(batch, loss_fn=loss_fn)
         metrics.update(_explained_variance(metrics))

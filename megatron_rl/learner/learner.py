@@ -31,6 +31,7 @@ from megatron_rl.config.schema import JobConfig
 from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
+from megatron_rl.trainer.batch import RolloutBatch, empty_micro_batch, padded_len, plan_micro_batches
 from megatron_rl.models.bridge import (
     build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
 )
@@ -174,15 +175,65 @@ class Learner:
             mbs_list.append(mb)
         return mbs_list, S_pad, mbs
 
-    def run_micro_batches(self, batch: dict[str, torch.Tensor], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+    def _budget_micro_batches(self, batch: RolloutBatch) -> tuple[list[Callable[[], dict]], int, int]:
+        """This rank's own sequences (a `RolloutBatch`) cut under `learner.max_tokens_per_micro_batch`
+        (or `micro_batch_size` sequences when it is 0), each micro-batch trimmed to its own longest
+        sequence. Every data-parallel rank runs the same number of micro-batches (expert-parallel
+        peers exchange tokens in every forward): a rank short of micro-batches splits its largest,
+        then runs empty ones (one padding sequence, no loss). Returns (micro-batch makers, longest
+        padded length, largest micro-batch)."""
+        lc = self.cfg.learner
+        mult = lc.pad_to_multiple_of * (self.ctx.tp if self.ctx.sequence_parallel else 1)
+        lens = batch.seq_lens
+        plan = plan_micro_batches(lens, max_tokens=lc.max_tokens_per_micro_batch,
+                                  max_sequences=lc.micro_batch_size, multiple=mult)
+        if self.ctx.dp > 1:
+            n = torch.tensor([len(plan)], dtype=torch.int64, device=self.ctx.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
+            n = int(n)
+            if n > len(plan):
+                plan = plan_micro_batches(lens, max_tokens=lc.max_tokens_per_micro_batch,
+                                          max_sequences=lc.micro_batch_size, multiple=mult, n_micro=n)
+            plan += [None] * (n - len(plan))
+        self._plan = [p for p in plan if p is not None]
+        device = self.ctx.device
+
+        def make(idx):
+            if idx is None:
+                mb = empty_micro_batch(batch, mult)
+                mb = {k: v.to(device) for k, v in mb.items()}
+            else:
+                S = padded_len(int(lens[idx].max()), mult)
+                mb = batch.micro_batch(idx, S, device)
+            mb["position_ids"] = torch.arange(mb["input_ids"].shape[1], device=device).expand(
+                mb["input_ids"].shape[0], -1)
+            return mb
+
+        makers = [partial(make, idx) for idx in plan]
+        S_max = max((padded_len(int(lens[i].max()), mult) for i in self._plan), default=mult)
+        b_max = max((i.numel() for i in self._plan), default=1)
+        return makers, S_max, b_max
+
+    def run_micro_batches(self, batch, loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        """Megatron's schedule over this rank's micro-batches of `batch`: a dict is the global
+        batch every rank passes (each takes its contiguous slice, `micro_batch_size` sequences per
+        micro-batch padded to the global longest); a `RolloutBatch` is this rank's own sequences
+        (token-budget micro-batches, `_budget_micro_batches`; their order is `self._plan`)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        micro_batches, S, mbs = self._local_micro_batches(batch)
+        if isinstance(batch, RolloutBatch):
+            makers, S, mbs = self._budget_micro_batches(batch)
+            # Micro-batches differ in shape: pipeline stages exchange shapes before tensors.
+            self.config.variable_seq_lengths = self.ctx.pp > 1
+        else:
+            micro_batches, S, mbs = self._local_micro_batches(batch)
+            makers = [(lambda m=m: m) for m in micro_batches]
+            self._plan = None
 
         replay = self.router_replay
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = next(data_iterator)()
             chunk = self._chunk_index[id(model)]
             if replay is not None:
                 replay.before_forward(chunk, mb)
@@ -191,16 +242,34 @@ class Learner:
                 replay.after_forward(chunk, mb)
             return output, partial(self._loss_closure, loss_fn, mb)
 
-        iters = [iter(micro_batches) for _ in self.model]
+        iters = [iter(makers) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.model,
-            num_microbatches=len(micro_batches),
+            num_microbatches=len(makers),
             seq_length=S,
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+
+    def local_rows(self, batch: RolloutBatch, per_mb: list[dict], key: str,
+                   row_shape: tuple[int, ...]) -> torch.Tensor:
+        """This rank's [len(batch), *row_shape] fp32 (host) from the last stage's per-micro-batch
+        outputs `key` ([b_mb, S_mb] when row_shape = (S,), else [b_mb]), in batch order."""
+        out = torch.zeros(len(batch), *row_shape, dtype=torch.float32, device=self.ctx.device)
+        if self.ctx.is_last_stage:
+            for idx, m in zip(self._plan, per_mb):  # empty micro-batches run last
+                rows, idx = m[key].float(), idx.to(self.ctx.device)
+                if row_shape:
+                    n = min(rows.shape[1], row_shape[0])
+                    out[idx, :n] = rows[:, :n]
+                else:
+                    out[idx] = rows
+        if self.ctx.pp > 1:
+            dist.broadcast(out, src=dist.get_global_rank(self.ctx.pp_group, self.ctx.pp - 1),
+                           group=self.ctx.pp_group)
+        return out.cpu()
 
     def _loss_closure(self, loss_fn: LossFn, mb: dict, logits_BSV: torch.Tensor):
         with device_mode_paused():  # our loss code names no device; skip the CPU layer's hop
@@ -250,7 +319,11 @@ class Learner:
         """
         if self.optimizer is None:
             raise RuntimeError("this model was built with trainable=False (forward-only)")
-        loss_fn = loss_fn or partial(masked_nll_loss, denom=float(batch["loss_mask"].sum().clamp(min=1)))
+        if loss_fn is None:
+            count = batch["loss_mask"].sum().to(self.ctx.device)
+            if isinstance(batch, RolloutBatch):  # this rank's sequences: count them all
+                dist.all_reduce(count, group=self.ctx.dp_group)
+            loss_fn = partial(masked_nll_loss, denom=float(count.clamp(min=1)))
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
@@ -286,6 +359,13 @@ class Learner:
             logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
             return logits_BSV.new_zeros(()), {"logp": logp}
 
+        if isinstance(batch, RolloutBatch):
+            S = int(batch.seq_lens.max()) if len(batch) else 0
+            with self._routing(routing, backward=False):
+                per_mb = self.run_micro_batches(batch, collect, forward_only=True)
+                routes = self._recorded_local_routes(len(batch), S) if routing == "record" else None
+            out = self.local_rows(batch, per_mb, "logp", (S,))
+            return out if routing != "record" else (out, routes)
         B, S = batch["input_ids"].shape
         with self._routing(routing, backward=False):
             per_mb = self.run_micro_batches(batch, collect, forward_only=True)
@@ -303,6 +383,15 @@ class Learner:
         gathered = [torch.empty_like(local) for _ in range(self.ctx.dp)]
         dist.all_gather(gathered, local.contiguous(), group=self.ctx.dp_group)
         return torch.cat(gathered)
+
+    def _recorded_local_routes(self, b: int, S: int) -> torch.Tensor:
+        """R2: the routes this rank's model-parallel group recorded for its own sequences,
+        [b, S, L, k] int64 (−1 where none) on the host, in batch order."""
+        order = torch.cat(self._plan) if self._plan else torch.zeros(0, dtype=torch.int64)
+        local = self.router_replay.recorded_routes(b, S, self.config.moe_router_topk, order=order)
+        local = local.to(self.ctx.device)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.ctx.mp_group)
+        return local.cpu()
 
     def _gather_recorded_routes(self, B_local: int, S: int) -> torch.Tensor:
         """Combine the routes each rank recorded (its layers, its sequence chunk) for the batch."""

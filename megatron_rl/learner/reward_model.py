@@ -16,6 +16,7 @@ import torch
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.critic import ScalarHeadLearner
+from megatron_rl.trainer.batch import RolloutBatch
 
 
 def last_token_index(attention_mask_BS: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,18 @@ class RewardModel(ScalarHeadLearner):
 
     def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rewards [B] fp32 on every rank. Keys: `input_ids` and `attention_mask` ([B, S],
-        right-padded; 1 on real tokens). Every rank passes the same global batch."""
+        right-padded; 1 on real tokens). Every rank passes the same global batch — or its own
+        sequences as a `RolloutBatch` (then its own rewards come back)."""
+        if isinstance(batch, RolloutBatch):
+            seqs = RolloutBatch({"seq_len": batch.seq_lens, "prompt_len": batch.seq["prompt_len"],
+                                 "last_index": batch.seq_lens - 1},
+                                {"input_ids": batch.tok["input_ids"]}, batch.pad_id,
+                                {"input_ids": batch.spec["input_ids"]})
+
+            def pick_last(out_bS, mb):
+                return out_bS[torch.arange(out_bS.shape[0], device=out_bS.device), mb["last_index"]]
+
+            return self._forward_rows(seqs, pick_last, ())
         last_index_B = last_token_index(batch["attention_mask"])
 
         def pick(out_bS, mb):

@@ -52,6 +52,7 @@ class RouterReplayController:
 
         self.Action = RouterReplayAction
         self.ctx = ctx
+        self.num_experts = _unwrap(model_chunks[0]).config.num_moe_experts
         self.recompute = recompute
         local: list[list[tuple[int, object]]] = []
         for chunk in model_chunks:
@@ -110,12 +111,16 @@ class RouterReplayController:
             chunk = S // self.ctx.tp
             r = r[:, self.ctx.tp_rank * chunk:(self.ctx.tp_rank + 1) * chunk]
         r = r.transpose(0, 1).reshape(-1, k).long()
-        # Positions without a recorded route take experts 0..k-1: they come after every valid
-        # token of their sequence, so under causal attention they influence nothing that counts.
+        # Positions without a recorded route come after every valid token of their sequence, so
+        # under causal attention they influence nothing that counts; they are spread evenly over
+        # all experts (token j takes experts jk..jk+k−1 mod E), never piled onto experts 0..k−1,
+        # which would load one expert-parallel rank with every padding token.
         missing = (r < 0).any(dim=-1)
         self._valid[moe_index] = ~missing
         if missing.any():
-            r = torch.where(missing[:, None], torch.arange(k, device=r.device).expand_as(r), r)
+            spread = (torch.arange(r.shape[0], device=r.device)[:, None] * k
+                      + torch.arange(k, device=r.device)) % self.num_experts
+            r = torch.where(missing[:, None], spread, r)
         return r
 
     def before_forward(self, chunk_idx: int, mb: dict) -> None:
@@ -186,22 +191,27 @@ class RouterReplayController:
         trainer's own router would have picked (this rank's tokens; combine with all-reduce)."""
         return (self.agreement[0] / self.agreement[1].clamp(min=1)).tolist()
 
-    def recorded_routes(self, b_local: int, S: int, k: int) -> torch.Tensor:
+    def recorded_routes(self, b_local: int, S: int, k: int, order: Optional[torch.Tensor] = None) -> torch.Tensor:
         """After a `record` phase: this rank's routes as [b_local, S, L, k] (-1 where not local).
 
         Each pipeline rank fills its own layers and each TP rank (under SP) its sequence chunk;
-        the caller combines ranks with a MAX all-reduce over the model-parallel group.
+        the caller combines ranks with a MAX all-reduce over the model-parallel group. `order`:
+        the batch row of each micro-batch row, in run order (token-budget micro-batches); empty
+        micro-batches (beyond `order`) are skipped.
         """
         out = torch.full((b_local, S, self.num_moe_layers, k), -1, dtype=torch.long)
         for mbs in self.recorded:  # one list per virtual chunk, micro-batches in order
             row = 0
             for b, S_pad, per_layer in mbs:
+                if order is not None and row >= order.numel():
+                    break
+                rows = order[row:row + b] if order is not None else slice(row, row + b)
                 for moe_index, idx in per_layer.items():
                     S_local = idx.shape[0] // b
                     start = self.ctx.tp_rank * S_local if self.ctx.sequence_parallel and self.ctx.tp > 1 else 0
                     block = idx.view(S_local, b, k).transpose(0, 1).cpu()
                     stop = min(start + S_local, S)
                     if stop > start:
-                        out[row:row + b, start:stop, moe_index] = block[:, : stop - start]
+                        out[rows, start:stop, moe_index] = block[:, : stop - start]
                 row += b
         return out

@@ -31,10 +31,8 @@ class ServedRewardModel:
         self.vocab_size = (json.loads((hf_path / "config.json").read_text())["vocab_size"]
                            if hf_path is not None else None)
         self.manager = self.client = None
-        if ctx.rank != 0:
-            return
         urls = list(rm.server_urls)
-        if not urls:
+        if ctx.rank == 0 and not urls:
             from megatron_rl.rollout.server import EngineManager, ServerConfig
             from megatron_rl.trainer.rollouts import server_device, server_dtype
 
@@ -43,10 +41,34 @@ class ServedRewardModel:
                              tp_size=rm.server_tp, max_total_tokens=rm.max_total_tokens,
                              mem_fraction_static=rm.mem_fraction_static, extra_args=("--is-embedding",)),
                 rm.num_servers, log_dir=out_dir / "reward_server_logs").start()
+        # Every model-parallel leader scores its own data-parallel rank's sequences.
+        shared = [self.manager.urls() if self.manager else urls]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(shared, src=0)
+        urls = shared[0]
+        self.leader = dist.get_rank(ctx.mp_group) == 0 if dist.is_initialized() else True
+        if not self.leader:
+            return
         self.client = RolloutClient(self.manager if self.manager else urls, request_timeout=r.request_timeout)
         self._loop = asyncio.new_event_loop()
 
-    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def score(self, batch) -> torch.Tensor:
+        """Rewards [b] of this rank's sequences (a `RolloutBatch`; collective over its
+        model-parallel group, whose leader asks the servers), or of a global batch dict (below)."""
+        from megatron_rl.trainer.batch import RolloutBatch
+
+        if not isinstance(batch, RolloutBatch):
+            return self._score_global(batch)
+        out = torch.zeros(len(batch), dtype=torch.float32)
+        if self.leader and len(batch):
+            seqs = [t.tolist() for t in batch.tok["input_ids"]]
+            out = torch.tensor(self._loop.run_until_complete(self.client.classify(seqs)), dtype=torch.float32)
+        if dist.is_initialized() and dist.get_world_size(self.ctx.mp_group) > 1:
+            out = out.to(self.ctx.device)
+            dist.broadcast(out, src=dist.get_global_rank(self.ctx.mp_group, 0), group=self.ctx.mp_group)
+        return out.cpu()
+
+    def _score_global(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Rewards [B] fp32 on every rank. Keys: `input_ids`, `attention_mask` ([B, S],
         right-padded); every rank passes the same batch, rank 0 asks the servers."""
         ids, mask = batch["input_ids"], batch["attention_mask"].bool()

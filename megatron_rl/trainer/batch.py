@@ -1,95 +1,535 @@
-"""Rollout records -> the learner's global batch, and its mini-batches.
+"""Rollout records -> a data-parallel rank's compact rollout batch, its mini- and micro-batches.
 
-Shapes: B sequences (prompts x samples), S = longest prompt+response, K top-K width,
-L MoE layers, k router top-k. Each sequence is `prompt_ids + response_ids`, right-padded.
+Every data-parallel rank holds only its own sequences (`RolloutBatch`): its producer generated
+whole groups (trainer/rollouts.py), `rebalance` then exchanges sequences point-to-point so that
+each mini-batch's tokens are balanced across ranks, and the model-parallel peers of a rank get a
+copy of its batch by tensor broadcast (`RolloutBatch.broadcast`). Nothing is pickled and no rank
+ever holds the global batch.
 
-Alignment: the learner's forward at input position s predicts `labels[s] = input_ids[s+1]`, so the
-response token t (sequence position P+t) is predicted at position P−1+t — exactly the row a
-RolloutRecord stores for it (records.py). Per-token fields are therefore written at positions
-P−1 .. P+T−2 and are zero (masked) elsewhere:
-    input_ids, labels          [B, S] int64
-    loss_mask                  [B, S] float: 1 on response-token predictions (the response mask)
-    rollout_logp               [B, S] float32 log μ(labels[s])
-    topk_ids / topk_logp       [B, S, K] (only with top-K log-probs; ids −1 elsewhere); the ids
-                               of each row are distinct (checked here, once per step, so that the
-                               loss can skip its per-row duplicate search: `topk_distinct`)
-    routed_experts             [B, S, L, k] int64 routing of input position s (−1 = none; MoE)
-    advantages                 [B, S] float32 (written by the trainer)
-    rewards                    [B] float32, group_ids [B] int64, response_len [B], truncated [B]
+Storage is compact and per sequence (no padding until a micro-batch is formed):
+    seq[name]  [b] per-sequence values: seq_len (P+T), prompt_len (P), rewards, group_ids (global
+               prompt-group id), mini_batch (the optimizer step it belongs to), response_len,
+               truncated, ...
+    tok[name]  list of b tensors, one per sequence, rows = input positions:
+               input_ids      int32 [P+T]     prompt + response tokens
+               loss_mask      fp32  [P+T]     1 on response-token predictions (rows P−1..P+T−2)
+               rollout_logp   fp32  [P+T]     log μ(token s+1) on those rows
+               topk_ids       int32 [T, K]    rows P−1..P+T−2 only (`RESPONSE_ROWS`); −1 elsewhere
+               topk_logp      fp32  [T, K]
+               routed_experts uint8 [P+T−1, L, k] (int16 past 255 experts): the route of input
+                              position s; the last position (never fed to the engine) has none
+               and whatever the loop adds (old_logp, ref_logp, advantages, ...) as [P+T] rows.
+Alignment is trainer/batch.py's of old and records.py's: input position s predicts
+`labels[s] = input_ids[s+1]`, so response token t is predicted at position P−1+t.
+
+`batch[name]` gives the learner's padded layout [b, S_max, ...] (S_max = this batch's longest
+sequence; `labels` is derived; fill: pad_id for ids, −1 for top-K ids, `no_route` for routes, 0
+otherwise) and `batch[name] = x` stores a padded [b, S] tensor (or a per-sequence [b] one) back.
+`micro_batch(indices, S)` forms one micro-batch in that layout, trimmed to its own longest
+sequence: the learner materialises micro-batches one at a time (learner.py), cut by
+`plan_micro_batches` under `learner.max_tokens_per_micro_batch`.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+import math
+from typing import Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
+from megatron_rl.distributed.collectives import all_gather_varlen
 from megatron_rl.rollout.records import RolloutRecord
 
+RESPONSE_ROWS = ("topk_ids", "topk_logp")
+"""Token fields stored for response rows only (from input position P−1)."""
 
-def build_batch(records: Sequence[RolloutRecord], rewards: Sequence[float], pad_id: int,
-                with_topk: bool, with_routes: bool) -> dict[str, torch.Tensor]:
-    B = len(records)
-    S = max(r.prompt_ids.numel() + r.response_ids.numel() for r in records)
-    ids = torch.full((B, S), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, S)
-    mu = torch.zeros(B, S)
-    K = records[0].topk_ids.shape[1] if with_topk else 0
-    topk_ids = torch.full((B, S, K), -1, dtype=torch.long) if with_topk else None
-    topk_logp = torch.zeros(B, S, K) if with_topk else None
-    routes = None
-    if with_routes:
-        L, k = records[0].routed_experts.shape[1:]
-        routes = torch.full((B, S, L, k), -1, dtype=torch.long)
-    for i, r in enumerate(records):
-        P, T = r.prompt_ids.numel(), r.response_ids.numel()
-        ids[i, :P] = r.prompt_ids
-        ids[i, P:P + T] = r.response_ids
-        rows = slice(P - 1, P - 1 + T)
-        mask[i, rows] = 1.0
-        mu[i, rows] = r.rollout_logp.float()
+NO_ROUTE_U8 = 255
+"""uint8 routes: the 'no route' value (expert ids are 0..254 when routes are uint8)."""
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    return torch.uint8 if num_experts <= NO_ROUTE_U8 else torch.int16
+
+
+def no_route(dtype: torch.dtype) -> int:
+    return NO_ROUTE_U8 if dtype == torch.uint8 else -1
+
+
+def compact_routes(routes: torch.Tensor, num_experts: Optional[int] = None) -> torch.Tensor:
+    """Routes as uint8 (≤ 255 experts) or int16; wider integer inputs are range-checked."""
+    if routes.dtype in (torch.uint8, torch.int16):
+        return routes
+    top = int(routes.max()) + 1 if routes.numel() else 0
+    E = max(num_experts or 0, top)
+    if routes.numel() and int(routes.min()) < 0:
+        raise ValueError(f"routed experts hold a negative expert id ({int(routes.min())})")
+    return routes.to(route_dtype(E))
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    seq: dict[str, torch.Tensor]
+    tok: dict[str, list[torch.Tensor]]
+    pad_id: int = 0
+    spec: dict[str, tuple[torch.dtype, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    """(dtype, trailing shape) of every token field: known even when the batch is empty."""
+
+    def __post_init__(self):
+        for k, ts in self.tok.items():
+            if k not in self.spec and ts:
+                self.spec[k] = (ts[0].dtype, tuple(ts[0].shape[1:]))
+        missing = [k for k in self.tok if k not in self.spec]
+        if missing:
+            raise ValueError(f"rollout batch: no dtype known for the empty token fields {missing}")
+
+    # ------------------------------------------------------------------------------------------
+    # construction
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_records(cls, records: Sequence[RolloutRecord], rewards: Sequence[float], *,
+                     group_ids: Sequence[int], mini_batch: Sequence[int], pad_id: int,
+                     with_topk: bool = False, with_routes: bool = False,
+                     num_experts: Optional[int] = None,
+                     route_shape: Optional[tuple[int, int]] = None) -> "RolloutBatch":
+        """Compact batch of `records` (their tensors are kept, not copied, where the dtype fits).
+        `num_experts` and `route_shape` (MoE layers, router top-k) type the routes of a batch that
+        may be empty."""
+        P = torch.tensor([r.prompt_ids.numel() for r in records], dtype=torch.int64)
+        T = torch.tensor([r.response_ids.numel() for r in records], dtype=torch.int64)
+        seq = dict(seq_len=P + T, prompt_len=P, response_len=T,
+                   rewards=torch.tensor(list(rewards), dtype=torch.float32),
+                   group_ids=torch.tensor(list(group_ids), dtype=torch.int64),
+                   mini_batch=torch.tensor(list(mini_batch), dtype=torch.int64),
+                   truncated=torch.tensor([r.finish_reason == "length" for r in records]))
+        tok: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "rollout_logp": []}
         if with_topk:
-            topk_ids[i, rows] = r.topk_ids.long()
-            topk_logp[i, rows] = r.topk_logp.float()
+            tok["topk_ids"], tok["topk_logp"] = [], []
         if with_routes:
-            seq = r.sequence_routed_experts()
-            routes[i, : seq.shape[0]] = seq.long()
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = pad_id
-    batch = dict(input_ids=ids, labels=labels, loss_mask=mask, rollout_logp=mu,
-                 rewards=torch.tensor(list(rewards), dtype=torch.float32),
-                 group_ids=torch.tensor([r.prompt_index for r in records], dtype=torch.long),
-                 response_len=torch.tensor([r.response_ids.numel() for r in records]),
-                 truncated=torch.tensor([r.finish_reason == "length" for r in records]))
-    if with_topk:
-        check_distinct_topk(topk_ids, records)
-        batch.update(topk_ids=topk_ids, topk_logp=topk_logp)
-    if with_routes:
-        batch["routed_experts"] = routes
-    return batch
+            tok["routed_experts"] = []
+        for r, p, t in zip(records, P.tolist(), T.tolist()):
+            tok["input_ids"].append(torch.cat([r.prompt_ids, r.response_ids]).to(torch.int32))
+            mask = torch.zeros(p + t)
+            mask[p - 1:p - 1 + t] = 1.0
+            mu = torch.zeros(p + t)
+            mu[p - 1:p - 1 + t] = r.rollout_logp.float()
+            tok["loss_mask"].append(mask)
+            tok["rollout_logp"].append(mu)
+            if with_topk:
+                tok["topk_ids"].append(r.topk_ids.to(torch.int32))
+                tok["topk_logp"].append(r.topk_logp.float())
+            if with_routes:
+                tok["routed_experts"].append(compact_routes(r.sequence_routed_experts(), num_experts))
+        spec = {"input_ids": (torch.int32, ()), "loss_mask": (torch.float32, ()),
+                "rollout_logp": (torch.float32, ())}
+        if with_topk:
+            K = records[0].topk_ids.shape[1] if records else 0
+            spec.update(topk_ids=(torch.int32, (K,)), topk_logp=(torch.float32, (K,)))
+        if with_routes and tok["routed_experts"]:
+            spec["routed_experts"] = (tok["routed_experts"][0].dtype, tuple(tok["routed_experts"][0].shape[1:]))
+        elif with_routes:
+            if route_shape is None or num_experts is None:
+                raise ValueError("an empty batch with routes needs num_experts and route_shape")
+            spec["routed_experts"] = (route_dtype(num_experts), tuple(route_shape))
+        batch = cls(seq, tok, pad_id, spec)
+        if with_topk:
+            check_distinct_topk(batch, records)
+        return batch
+
+    @classmethod
+    def empty_like(cls, other: "RolloutBatch") -> "RolloutBatch":
+        return other.select(torch.zeros(0, dtype=torch.int64))
+
+    # ------------------------------------------------------------------------------------------
+    # views
+    # ------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.seq["seq_len"].numel())
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.seq["seq_len"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.seq or name in self.tok or (name == "labels" and "input_ids" in self.tok)
+
+    def keys(self) -> list[str]:
+        return [*self.seq, *self.tok]
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+    def nbytes(self) -> int:
+        n = sum(v.numel() * v.element_size() for v in self.seq.values())
+        return n + sum(t.numel() * t.element_size() for ts in self.tok.values() for t in ts)
+
+    def fill(self, name: str, dtype: torch.dtype) -> int | float:
+        if name == "input_ids" or name == "labels":
+            return self.pad_id
+        if name == "topk_ids":
+            return -1
+        if name == "routed_experts":
+            return no_route(dtype)
+        return 0
+
+    def start(self, name: str) -> torch.Tensor:
+        """[b] the input position of each sequence's first stored row of `name`."""
+        if name in RESPONSE_ROWS:
+            return self.seq["prompt_len"] - 1
+        return torch.zeros_like(self.seq["prompt_len"])
+
+    def padded(self, name: str, indices: Optional[torch.Tensor] = None, S: Optional[int] = None,
+               dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """[len(indices), S, ...] of token field `name` (all sequences, S = their longest by default)."""
+        idx = torch.arange(len(self)) if indices is None else indices
+        lens = self.seq["seq_len"][idx]
+        S = int(lens.max()) if S is None and lens.numel() else (S or 0)
+        if name == "labels":
+            ids = self.padded("input_ids", idx, S + 1, dtype)
+            return ids[:, 1:].contiguous()
+        rows = self.tok[name]
+        own, trail = self.spec[name]
+        out_dtype = dtype or own
+        out = torch.full((len(idx), S, *trail), self.fill(name, own), dtype=out_dtype)
+        starts = self.start(name)[idx].tolist()
+        for j, (i, s0) in enumerate(zip(idx.tolist(), starts)):
+            t = rows[i]
+            n = min(t.shape[0], S - s0)
+            if n > 0:
+                out[j, s0:s0 + n] = t[:n]
+        if name == "routed_experts" and out_dtype != own:
+            # A wider dtype (the learner's int64) takes −1 where the compact one says 'no route'.
+            out[out == no_route(own)] = -1
+        return out
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.seq:
+            return self.seq[name]
+        if name == "labels" or name in self.tok:
+            return self.padded(name)
+        raise KeyError(f"rollout batch has no field {name!r}; it has {', '.join(self.keys())}")
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        """A per-sequence [b] tensor, or a padded token field [b, S≥seq_len, ...] (stored as rows)."""
+        b = len(self)
+        if value.shape[0] != b:
+            raise ValueError(f"{name}: {tuple(value.shape)} for a batch of {b} sequences")
+        if value.dim() == 1:
+            self.tok.pop(name, None)
+            self.seq[name] = value
+            return
+        lens = self.seq["seq_len"].tolist()
+        if value.shape[1] < max(lens, default=0):
+            raise ValueError(f"{name}: {value.shape[1]} positions, the batch's longest sequence has {max(lens)}")
+        self.seq.pop(name, None)
+        starts = self.start(name).tolist()
+        self.tok[name] = [value[i, s0:n].clone() for i, (s0, n) in enumerate(zip(starts, lens))]
+        self.spec[name] = (value.dtype, tuple(value.shape[2:]))
+
+    # ------------------------------------------------------------------------------------------
+    # subsets
+    # ------------------------------------------------------------------------------------------
+    def select(self, indices: torch.Tensor) -> "RolloutBatch":
+        idx = indices.tolist()
+        return RolloutBatch({k: v[indices] for k, v in self.seq.items()},
+                            {k: [ts[i] for i in idx] for k, ts in self.tok.items()}, self.pad_id, dict(self.spec))
+
+    @staticmethod
+    def cat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        first = batches[0]
+        return RolloutBatch({k: torch.cat([b.seq[k] for b in batches]) for k in first.seq},
+                            {k: [t for b in batches for t in b.tok[k]] for k in first.tok}, first.pad_id,
+                            dict(first.spec))
+
+    def micro_batch(self, indices: torch.Tensor, S: int, device=None) -> dict[str, torch.Tensor]:
+        """The learner's padded micro-batch of `indices`, S positions (≥ their longest)."""
+        out = {}
+        for name in self.tok:
+            dtype = torch.long if name in ("input_ids", "topk_ids", "routed_experts") else None
+            out[name] = self.padded(name, indices, S, dtype)
+        out["labels"] = self.padded("labels", indices, S, torch.long)
+        for name, v in self.seq.items():
+            out[name] = v[indices]
+        return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+    # ------------------------------------------------------------------------------------------
+    # transport (tensor collectives only)
+    # ------------------------------------------------------------------------------------------
+    def schema(self) -> list[tuple[str, str, torch.dtype, tuple[int, ...]]]:
+        """(kind, name, dtype, trailing shape) of every field, in a fixed order."""
+        out = [("seq", k, v.dtype, ()) for k, v in sorted(self.seq.items())]
+        return out + [("tok", k, *self.spec[k]) for k in sorted(self.tok)]
+
+    def rows(self, name: str) -> torch.Tensor:
+        """[b] stored rows of token field `name` per sequence."""
+        return torch.tensor([t.shape[0] for t in self.tok[name]], dtype=torch.int64)
+
+    def pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bytes, row counts [fields, b]): every field flattened into one uint8 buffer."""
+        parts, rows = [], []
+        for kind, name, _, _ in self.schema():
+            if kind == "seq":
+                parts.append(_bytes(self.seq[name]))
+            else:
+                parts.extend(_bytes(t) for t in self.tok[name])
+                rows.append(self.rows(name))
+        counts = torch.stack(rows) if rows else torch.zeros(0, len(self), dtype=torch.int64)
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)), counts
+
+    @classmethod
+    def unpack(cls, buf: torch.Tensor, counts: torch.Tensor, schema, b: int, pad_id: int) -> "RolloutBatch":
+        seq, tok, spec, at, f = {}, {}, {}, 0, 0
+        for kind, name, dtype, trail in schema:
+            elem = torch.empty((), dtype=dtype).element_size()
+            item = elem * math.prod(trail)
+            if kind == "seq":
+                n = b * elem
+                seq[name] = buf[at:at + n].clone().view(dtype)
+                at += n
+                continue
+            ts = []
+            for r in counts[f].tolist():
+                n = r * item
+                ts.append(buf[at:at + n].clone().view(dtype).reshape(r, *trail))
+                at += n
+            tok[name] = ts
+            spec[name] = (dtype, tuple(trail))
+            f += 1
+        if at != buf.numel():
+            raise RuntimeError(f"rollout batch transport: {buf.numel()} bytes received, {at} expected")
+        return cls(seq, tok, pad_id, spec)
+
+    @staticmethod
+    def broadcast(batch: Optional["RolloutBatch"], src: int, group, device) -> "RolloutBatch":
+        """Collective over `group`: every member returns global rank `src`'s batch (the others
+        pass None). One small header (field names, dtypes, sizes) goes by object broadcast; the
+        data as one row-count tensor and one uint8 buffer."""
+        me = dist.get_rank()
+        header = [None]
+        if me == src:
+            buf, counts = batch.pack()
+            header = [(batch.schema(), len(batch), buf.numel(), batch.pad_id)]
+        dist.broadcast_object_list(header, src=src, group=group)
+        schema, b, nbytes, pad_id = header[0]
+        n_tok = sum(kind == "tok" for kind, *_ in schema)
+        if me == src:
+            counts_d, buf_d = counts.to(device), buf.to(device)
+        else:
+            counts_d = torch.empty(n_tok, b, dtype=torch.int64, device=device)
+            buf_d = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dist.broadcast(counts_d, src=src, group=group)
+        dist.broadcast(buf_d, src=src, group=group)
+        if me == src:
+            return batch
+        return RolloutBatch.unpack(buf_d.cpu(), counts_d.cpu(), schema, b, pad_id)
 
 
-def check_distinct_topk(topk_ids: torch.Tensor, records: Sequence[RolloutRecord]) -> None:
-    """Raise if a top-K row of `topk_ids` [B, S, K] names an id twice (−1 padding aside).
+    def save(self, path, metrics: Optional[dict] = None) -> None:
+        """Write the batch (and step metrics) with torch.save: plain tensors, dtypes by name."""
+        torch.save({"seq": self.seq, "tok": self.tok, "pad_id": self.pad_id, "metrics": metrics or {},
+                    "spec": {k: (str(d).removeprefix("torch."), tr) for k, (d, tr) in self.spec.items()}}, path)
+
+    @classmethod
+    def load(cls, path) -> tuple["RolloutBatch", dict]:
+        d = torch.load(path, weights_only=False)
+        spec = {k: (getattr(torch, dt), tuple(tr)) for k, (dt, tr) in d["spec"].items()}
+        return cls(d["seq"], d["tok"], d["pad_id"], spec), d["metrics"]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------------------------
+# balancing across data-parallel ranks
+# ----------------------------------------------------------------------------------------------
+def balance_plan(lengths: Sequence[torch.Tensor], mini_batch: Sequence[torch.Tensor], n_mini: int
+                 ) -> list[torch.Tensor]:
+    """Where each rank's sequences go: [dst rank] per sequence, for every rank.
+
+    Per mini-batch, sequences stay where they are unless moving one from the most loaded rank to
+    the least loaded lowers the larger of the two loads (tokens): the largest such sequence that
+    best evens the pair moves, until no move helps. Deterministic (every rank computes the same
+    plan from the all-gathered lengths) and local: only the surplus moves.
+    """
+    dp = len(lengths)
+    dst = [torch.full_like(lengths[r], r) for r in range(dp)]
+    for m in range(n_mini):
+        mine = [(mini_batch[r] == m).nonzero().flatten() for r in range(dp)]
+        # (rank, index) of every sequence per current holder; loads in tokens
+        held: list[list[int]] = [[(r, int(i)) for i in mine[r]] for r in range(dp)]
+        load = [sum(int(lengths[r][i]) for _, i in held[r]) for r in range(dp)]
+        for _ in range(sum(len(h) for h in held)):
+            hi = max(range(dp), key=lambda r: (load[r], -r))
+            lo = min(range(dp), key=lambda r: (load[r], r))
+            gap = load[hi] - load[lo]
+            if gap <= 0:
+                break
+            best, best_after = None, load[hi]
+            for j, (r, i) in enumerate(held[hi]):
+                L = int(lengths[r][i])
+                after = max(load[hi] - L, load[lo] + L)
+                if after < best_after:
+                    best, best_after = j, after
+            if best is None:
+                break
+            r, i = held[hi].pop(best)
+            L = int(lengths[r][i])
+            held[lo].append((r, i))
+            load[hi] -= L
+            load[lo] += L
+            dst[r][i] = lo
+    return dst
+
+
+def rebalance(batch: RolloutBatch, group, n_mini: int, device=None) -> tuple[RolloutBatch, dict]:
+    """Collective over the data-parallel `group`: exchange sequences point-to-point so that every
+    mini-batch's tokens are balanced across the ranks (`balance_plan`); returns this rank's new
+    batch (its kept sequences, then the received ones, ordered by mini-batch) and transfer stats.
+    Only lengths are all-gathered; sequences travel as one uint8 buffer per (sender, receiver)."""
+    device = device or torch.device("cpu")
+    dp, me = dist.get_world_size(group), dist.get_rank(group)
+    meta = torch.stack([batch.seq["seq_len"], batch.seq["mini_batch"]]).reshape(-1)
+    everyone = [m.reshape(2, -1) for m in all_gather_varlen(meta, group, device)]
+    plan = balance_plan([e[0] for e in everyone], [e[1] for e in everyone], n_mini)
+    schema = batch.schema()
+    ops, sends, recvs = [], [], {}
+    for peer in range(dp):
+        if peer == me:
+            continue
+        out_idx = (plan[me] == peer).nonzero().flatten()
+        in_idx = (plan[peer] == me).nonzero().flatten()
+        if out_idx.numel():
+            buf, counts = batch.select(out_idx).pack()
+            header = torch.tensor([buf.numel()], dtype=torch.int64)
+            sends.append((peer, header, counts, buf))
+        if in_idx.numel():
+            recvs[peer] = in_idx
+    peer_rank = lambda p: dist.get_global_rank(group, p)  # noqa: E731
+    # Sizes first (one int per pair), then row counts and bytes.
+    headers_in = {p: torch.zeros(1, dtype=torch.int64, device=device) for p in recvs}
+    ops = [dist.P2POp(dist.isend, h.to(device), peer_rank(p), group) for p, h, _, _ in sends]
+    ops += [dist.P2POp(dist.irecv, h, peer_rank(p), group) for p, h in headers_in.items()]
+    _run(ops)
+    n_tok = sum(kind == "tok" for kind, *_ in schema)
+    bufs_in = {p: (torch.empty(n_tok, recvs[p].numel(), dtype=torch.int64, device=device),
+                   torch.empty(int(headers_in[p]), dtype=torch.uint8, device=device)) for p in recvs}
+    ops = []
+    for p, _, counts, buf in sends:
+        ops += [dist.P2POp(dist.isend, counts.to(device), peer_rank(p), group),
+                dist.P2POp(dist.isend, buf.to(device), peer_rank(p), group)]
+    for p, (c, b) in bufs_in.items():
+        ops += [dist.P2POp(dist.irecv, c, peer_rank(p), group), dist.P2POp(dist.irecv, b, peer_rank(p), group)]
+    _run(ops)
+    parts = [batch.select((plan[me] == me).nonzero().flatten())]
+    for p in sorted(recvs):
+        c, b = bufs_in[p]
+        parts.append(RolloutBatch.unpack(b.cpu(), c.cpu(), schema, recvs[p].numel(), batch.pad_id))
+    new = RolloutBatch.cat(parts)
+    new = new.select(torch.argsort(new.seq["mini_batch"], stable=True))
+    stats = {"recv_bytes": sum(int(h) for h in headers_in.values()),
+             "sent_bytes": sum(int(h) for _, h, _, _ in sends),
+             "moved_sequences": sum(int(v.numel()) for v in recvs.values())}
+    return new, stats
+
+
+def _run(ops: list) -> None:
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+# ----------------------------------------------------------------------------------------------
+# micro-batches
+# ----------------------------------------------------------------------------------------------
+def padded_len(n: int, multiple: int) -> int:
+    return -(-max(n, 1) // multiple) * multiple
+
+
+def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_sequences: int = 0,
+                       multiple: int = 1, n_micro: Optional[int] = None) -> list[torch.Tensor]:
+    """Cut sequences into micro-batches: lists of indices, each trimmed to its own longest.
+
+    `max_tokens` > 0: sequences sorted by length (longest first) fill micro-batches while
+    (sequences × padded longest) ≤ max_tokens — similar lengths share a micro-batch, so little is
+    padding; a sequence longer than the budget gets a micro-batch of its own. Otherwise
+    `max_sequences` per micro-batch in the given order. `n_micro` (≥ what the budget needs): split
+    further — the largest micro-batches in halves — until there are that many (ranks that must run
+    the same number of micro-batches, e.g. expert-parallel peers); empty ones are not made here.
+    """
+    n = seq_lens.numel()
+    if n == 0:
+        return []
+    if max_tokens > 0:
+        order = torch.argsort(seq_lens, descending=True, stable=True).tolist()
+        lens = seq_lens.tolist()
+        out, cur, cur_max = [], [], 0
+        for i in order:
+            m = max(cur_max, padded_len(lens[i], multiple))
+            if cur and m * (len(cur) + 1) > max_tokens:
+                out.append(cur)
+                cur, m = [], padded_len(lens[i], multiple)
+            cur.append(i)
+            cur_max = m
+        out.append(cur)
+    else:
+        size = max_sequences or n
+        out = [list(range(a, min(a + size, n))) for a in range(0, n, size)]
+    if n_micro is not None:
+        while len(out) < n_micro:
+            j = max(range(len(out)), key=lambda k: (len(out[k]), -k))
+            if len(out[j]) < 2:
+                break
+            half = len(out[j]) // 2
+            out[j:j + 1] = [out[j][:half], out[j][half:]]
+    return [torch.tensor(mb, dtype=torch.int64) for mb in out]
+
+
+def empty_micro_batch(batch: RolloutBatch, S: int) -> dict[str, torch.Tensor]:
+    """One padding sequence of S positions with no loss (a rank's filler micro-batch)."""
+    out = {}
+    for name, (dtype, trail) in batch.spec.items():
+        wide = torch.long if name in ("input_ids", "topk_ids", "routed_experts") else dtype
+        fill = -1 if name == "routed_experts" else batch.fill(name, dtype)
+        out[name] = torch.full((1, S, *trail), fill, dtype=wide)
+    out["labels"] = torch.full((1, S), batch.pad_id, dtype=torch.long)
+    for name, v in batch.seq.items():
+        out[name] = torch.zeros(1, dtype=v.dtype)
+    return out
+
+
+def padding_waste(seq_lens: torch.Tensor, micro_batches: Iterable[torch.Tensor], multiple: int = 1) -> tuple[int, int]:
+    """(padded slots, all slots) over `micro_batches` (each padded to its own longest)."""
+    pad = slots = 0
+    for mb in micro_batches:
+        lens = seq_lens[mb]
+        S = padded_len(int(lens.max()), multiple)
+        slots += S * mb.numel()
+        pad += S * mb.numel() - int(lens.sum())
+    return pad, slots
+
+
+# ----------------------------------------------------------------------------------------------
+def check_distinct_topk(batch: RolloutBatch, records: Sequence[RolloutRecord]) -> None:
+    """Raise if a top-K row names an id twice (−1 padding aside).
 
     An inference engine's top-K lists distinct tokens; a repeat means a malformed rollout, and the
     learner's top-K divergences assume there is none (`vocab_parallel_policy_stats(topk_distinct=
-    True)`), so it is reported here, naming the sample and the response token.
+    True)`), so it is reported here, once per step, naming the sample and the response token.
     """
-    srt = topk_ids.sort(dim=-1).values
-    rep = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
-    if not bool(rep.any()):
-        return
-    i, s, k = (int(v) for v in rep.nonzero()[0])
-    r = records[i]
-    t = s - (r.prompt_ids.numel() - 1)
-    raise ValueError(
-        f"rollout sample (prompt {r.prompt_index}, sample {r.sample_index}): the top-K ids of "
-        f"response token {t} name id {int(srt[i, s, k])} twice ({topk_ids[i, s].tolist()}); an "
-        "inference engine's top-K lists distinct tokens")
+    for r, ids in zip(records, batch.tok["topk_ids"]):
+        srt = ids.sort(dim=-1).values
+        rep = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if bool(rep.any()):
+            t, k = (int(v) for v in rep.nonzero()[0])
+            raise ValueError(
+                f"rollout sample (prompt {r.prompt_index}, sample {r.sample_index}): the top-K ids of "
+                f"response token {t} name id {int(srt[t, k])} twice ({ids[t].tolist()}); an "
+                "inference engine's top-K lists distinct tokens")
 
 
-def token_rewards(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def token_rewards(batch) -> torch.Tensor:
     """[B, S]: each outcome reward on its sequence's last response-token prediction."""
     mask = batch["loss_mask"]
     last = (mask * torch.arange(mask.shape[1], dtype=mask.dtype)).argmax(dim=1)
@@ -98,13 +538,7 @@ def token_rewards(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return out
 
 
-PER_SEQUENCE = ("rewards", "group_ids", "response_len", "truncated")
-
-
-def mini_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    """Split the global batch into n contiguous mini-batches of whole prompt groups."""
-    B = batch["input_ids"].shape[0]
-    if B % n:
-        raise ValueError(f"{B} sequences do not split into algorithm.mini_batches = {n}")
-    size = B // n
-    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
+def mini_batches(batch: RolloutBatch, n: int) -> list[RolloutBatch]:
+    """This rank's part of each of the n mini-batches (by `seq["mini_batch"]`; possibly empty)."""
+    mb = batch.seq["mini_batch"]
+    return [batch.select((mb == m).nonzero().flatten()) for m in range(n)]

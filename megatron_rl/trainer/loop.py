@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -38,7 +38,10 @@ from megatron_rl.algorithms.registry import get
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext, init_distributed
 from megatron_rl.learner.learner import Learner
+from megatron_rl.algorithms.advantages import spread_over
+from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_sum
 from megatron_rl.trainer import batch as batching
+from megatron_rl.trainer.batch import RolloutBatch
 from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
@@ -169,7 +172,8 @@ class Trainer:
             from megatron_rl.trainer.rollouts import Rollouts
 
             moe_topk = self.learner.config.moe_router_topk if self.learner.config.num_moe_experts else None
-            self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk)
+            self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk,
+                                     num_experts=self.learner.config.num_moe_experts)
         self.stop = StopRequest(ctx.device)
         self.history: list[dict] = []
 
@@ -248,7 +252,7 @@ class Trainer:
                     metrics |= self.reference_logprobs(batch)
                 if self.critic is not None:
                     with timer("values"):
-                        batch["old_values"] = self.critic.forward_values({"input_ids": batch["input_ids"]})
+                        batch["old_values"] = self.critic.forward_values(batch)
                 with timer("advantages"):
                     metrics |= self.compute_advantages(batch)
                 if self.critic is not None:
@@ -275,8 +279,8 @@ class Trainer:
         return self.history
 
     # ------------------------------------------------------------------------------------------
-    def generate(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Rank 0 generates and scores (or reads saved rollouts); every rank gets the batch.
+    def generate(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's rollout batch for the step (collective) and the step's rollout metrics.
 
         Every record must come from the weights just pushed (its `weight_version`): a server that
         died and was restarted serves its initial checkpoint, so a batch with stale records is
@@ -284,64 +288,146 @@ class Trainer:
         """
         while True:
             position = self.prompts.state_dict()
-            payload = [self._generate_on_driver() if self.ctx.rank == 0 else None]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.broadcast_object_list(payload, src=0)
-            if payload[0] != "stale":
-                break
+            status, batch, metrics = self._produce()
+            if status == "ok":
+                return batch, metrics
+            if status.startswith("error:"):
+                raise TrainingError(status[len("error:"):])
             self.logger.message(f"[megatron-rl] step {self.step}: records from stale weights (a server "
                                 "was restarted); pushing weights again and regenerating")
             self.prompts.load_state_dict(position)
             self.sync_weights()
-        batch, metrics = payload[0]
-        position = metrics.pop("_prompt_position", None)  # absent in batches read back (train_only)
-        if position is not None:
-            self.prompts.load_state_dict(position)
-        return batch, metrics
 
-    def _generate_on_driver(self):
-        if self.cfg.trainer.mode == "train_only":
-            path = self.rollouts_dir / f"step_{self.step:08d}.pt"
-            if not path.exists():
-                raise FileNotFoundError(f"trainer.mode=train_only: no saved rollouts {path} "
-                                        "(write them with trainer.mode=rollout_only)")
-            return torch.load(path, weights_only=False)
-        records, rewards, metrics = self.rollouts.generate(self.prompts.take, self.step)
-        if self.cfg.trainer.mode == "train" and any(r.weight_version != self.weight_version for r in records):
-            return "stale"
-        batch = batching.build_batch(
-            records, rewards, pad_id=self.tokenizer.pad_token_id,
-            with_topk=self.cfg.rollout.top_k_logprobs > 0,
-            with_routes=self.cfg.algorithm.router_replay == "r3")
-        bad = ~torch.isfinite(batch["rollout_logp"]) & (batch["loss_mask"] > 0)
-        if bad.any():
-            i, s = bad.nonzero()[0].tolist()
-            raise TrainingError(f"step {self.step}: rollout log-prob is {batch['rollout_logp'][i, s]} "
-                                f"for sequence {i} position {s}; not training on it")
-        # Dynamic sampling draws a variable number of prompts: other ranks copy the position.
-        metrics["_prompt_position"] = self.prompts.state_dict()
-        return batch, metrics
+    @property
+    def producer(self) -> bool:
+        """The model-parallel leader of each data-parallel rank produces that rank's rollouts."""
+        return dist.get_rank(self.ctx.mp_group) == 0 if dist.is_initialized() else True
 
-    def save_rollouts(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
-        if self.ctx.rank == 0:
+    def _produce(self) -> tuple[str, Optional[RolloutBatch], dict]:
+        """Producers generate (or read back) their share of whole groups and exchange sequences
+        among themselves to balance every mini-batch's tokens (trainer/batch.py `rebalance`); each
+        then hands its batch to its model-parallel peers by tensor broadcast. Returns (status:
+        "ok", "stale" or "error:<message>" — the same on every rank —, batch, metrics)."""
+        ctx, t, a = self.ctx, self.cfg.trainer, self.cfg.algorithm
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        batch, metrics, status = None, {}, "ok"
+        if self.producer:
+            if t.mode == "train_only":
+                batch, metrics = self._read_rollouts()
+            else:
+                batch, metrics, status = self._generate_share()
+            if status == "ok" and t.mode != "rollout_only" and ctx.dp > 1:
+                batch, stats = batching.rebalance(batch, ctx.dp_group, a.mini_batches, ctx.device)
+                moved = all_reduce_sum(torch.tensor([stats["recv_bytes"], batch.nbytes()], dtype=torch.float64),
+                                       ctx.dp_group, ctx.device)
+                metrics["data/rebalanced_frac"] = float(moved[0] / moved[1].clamp(min=1))
+        if multi and dist.get_world_size(ctx.mp_group) > 1:
+            leader = dist.get_global_rank(ctx.mp_group, 0)
+            header = [(status, self.prompts.state_dict(), metrics) if self.producer else None]
+            dist.broadcast_object_list(header, src=leader, group=ctx.mp_group)
+            status, position, metrics = header[0]
+            if not self.producer:
+                self.prompts.load_state_dict(position)
+            if status == "ok":
+                batch = RolloutBatch.broadcast(batch, leader, ctx.mp_group, ctx.device)
+        return status, batch, metrics
+
+    def _generate_share(self) -> tuple[Optional[RolloutBatch], dict, str]:
+        """Producers (collective over them): this rank's groups, their records checked."""
+        ctx, r, a = self.ctx, self.cfg.rollout, self.cfg.algorithm
+        records, rewards, gids, metrics = self.rollouts.generate(self.prompts.take, self.step)
+        stale = self.cfg.trainer.mode == "train" and any(x.weight_version != self.weight_version for x in records)
+        routes = a.router_replay == "r3"
+        cfg = self.learner.config
+        batch = RolloutBatch.from_records(
+            records, rewards, group_ids=gids, mini_batch=[g * a.mini_batches // r.prompts_per_step for g in gids],
+            pad_id=self.tokenizer.pad_token_id, with_topk=a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs > 0,
+            with_routes=routes, num_experts=cfg.num_moe_experts if routes else None,
+            route_shape=(self.learner.router_replay.num_moe_layers, cfg.moe_router_topk) if routes else None)
+        bad = ""
+        if not stale and len(batch):
+            mask = torch.cat(batch.tok["loss_mask"]) > 0
+            mu = torch.cat(batch.tok["rollout_logp"])
+            if not bool(torch.isfinite(mu[mask]).all()):
+                i = next(i for i, x in enumerate(batch.tok["rollout_logp"]) if not torch.isfinite(x).all())
+                s_ = int((~torch.isfinite(batch.tok["rollout_logp"][i])).nonzero()[0])
+                bad = (f"step {self.step}: rollout log-prob is {float(batch.tok['rollout_logp'][i][s_])} for "
+                       f"group {int(batch.seq['group_ids'][i])} (a sample of data-parallel rank {ctx.dp_rank}) "
+                       f"position {s_}; not training on it")
+        flags = torch.tensor([float(stale), float(bool(bad))], dtype=torch.float64)
+        sums = metrics.pop("_sums")
+        if dist.is_initialized() and ctx.dp > 1:
+            flags = all_reduce_sum(flags, ctx.dp_group, ctx.device)
+            sums = all_reduce_sum(sums, ctx.dp_group, ctx.device)
+        metrics |= self.rollouts.finish_metrics(sums)
+        if flags[1]:
+            return None, metrics, "error:" + (bad or "a rollout log-prob is not finite on another "
+                                                    "data-parallel rank (its log names it)")
+        if flags[0]:
+            return None, metrics, "stale"
+        return batch, metrics, "ok"
+
+    def _rollouts_file(self, dp_rank: int) -> Path:
+        return self.rollouts_dir / f"step_{self.step:08d}.dp{dp_rank}.pt"
+
+    def save_rollouts(self, batch: RolloutBatch, metrics: dict[str, float]) -> None:
+        """rollout_only: each producer writes its share (groups whole, before any rebalancing)."""
+        if self.producer:
             self.rollouts_dir.mkdir(parents=True, exist_ok=True)
-            torch.save((batch, metrics), self.rollouts_dir / f"step_{self.step:08d}.pt")
+            batch.save(self._rollouts_file(self.ctx.dp_rank), metrics if self.ctx.dp_rank == 0 else {})
+
+    def _read_rollouts(self) -> tuple[RolloutBatch, dict]:
+        """train_only: this rank's groups (group id mod DP) of the step's saved shares — written
+        with any data-parallel size."""
+        files = sorted(self.rollouts_dir.glob(f"step_{self.step:08d}.dp*.pt"))
+        if not files:
+            raise FileNotFoundError(f"trainer.mode=train_only: no saved rollouts {self._rollouts_file(0)} "
+                                    "(write them with trainer.mode=rollout_only)")
+        parts, metrics = [], {}
+        for f in files:
+            part, m = RolloutBatch.load(f)
+            parts.append(part)
+            metrics |= m
+        whole = RolloutBatch.cat(parts)
+        mine = (whole.seq["group_ids"] % self.ctx.dp == self.ctx.dp_rank).nonzero().flatten()
+        return whole.select(mine), metrics
 
     def score_with_reward_model(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Collective: the reward model scores prompt+response; its score joins the rule reward."""
         from megatron_rl.rewards.model_rewards import combine_rewards, sequence_attention_mask
 
         rm = self.cfg.reward_model
-        scores = self.reward_model.score({"input_ids": batch["input_ids"],
-                                          "attention_mask": sequence_attention_mask(batch["loss_mask"])})
+        scores = self.reward_model.score(batch)
         if not bool(torch.isfinite(scores).all()):
-            raise TrainingError(f"step {self.step}: reward model scores are not finite for sequences "
-                                f"{torch.nonzero(~torch.isfinite(scores)).flatten().tolist()}")
+            raise TrainingError(f"step {self.step}: reward model scores are not finite for groups "
+                                f"{batch['group_ids'][~torch.isfinite(scores)].tolist()}")
         batch["rm_scores"] = scores
-        batch["rewards"], metrics = combine_rewards(batch["rewards"], scores, weight=rm.weight,
-                                                    rule_weight=rm.rule_weight, normalize=rm.normalize,
-                                                    clip=rm.clip)
+        # Batch normalisation and the metrics see every rank's sequences (two small all-gathers).
+        rule, lo = self._gather_seq(batch["rewards"]), self._seq_offset(len(batch))
+        every = self._gather_seq(scores)
+        rewards, metrics = combine_rewards(rule, every, weight=rm.weight, rule_weight=rm.rule_weight,
+                                           normalize=rm.normalize, clip=rm.clip)
+        batch["rewards"] = rewards[lo:lo + len(batch)]
         return metrics
+
+    def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-sequence tensor of every data-parallel rank, concatenated in rank order."""
+        if self.ctx.dp == 1:
+            return x
+        return torch.cat(all_gather_varlen(x, self.ctx.dp_group, self.ctx.device))
+
+    def _seq_offset(self, n: int) -> int:
+        if self.ctx.dp == 1:
+            return 0
+        sizes = all_gather_varlen(torch.tensor([n]), self.ctx.dp_group, self.ctx.device)
+        return int(sum(int(x) for x in sizes[:self.ctx.dp_rank]))
+
+    def _mean(self, total: float, count: float) -> float:
+        """A mean over every data-parallel rank's sequences from this rank's (sum, count)."""
+        v = torch.tensor([total, count], dtype=torch.float64)
+        if self.ctx.dp > 1:
+            v = all_reduce_sum(v, self.ctx.dp_group, self.ctx.device)
+        return float(v[0] / v[1].clamp(min=1))
 
     def compute_advantages(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm
@@ -355,8 +441,9 @@ class Trainer:
             penalty = overlong_soft_punishment(batch["response_len"], max_length=self.cfg.rollout.max_new_tokens,
                                                buffer_length=a.overlong_buffer, factor=a.overlong_penalty)
             batch["rewards"] = (batch["rewards"].double() + penalty).float()
-            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
-            metrics["reward/shaped_mean"] = float(batch["rewards"].double().mean())
+            n = len(batch)
+            metrics["reward/overlong_penalty_mean"] = self._mean(float(penalty.double().sum()), n)
+            metrics["reward/shaped_mean"] = self._mean(float(batch["rewards"].double().sum()), n)
         rewards = batching.token_rewards(batch)
         mask = batch["loss_mask"]
         if a.kl_in_reward:
@@ -365,11 +452,15 @@ class Trainer:
             logp = batch.get("old_logp", batch["rollout_logp"])
             rewards = kl_penalty_rewards(rewards, logp, batch["ref_logp"], coef=a.kl_coef,
                                          estimator=a.kl_estimator, response_mask=mask)
-            metrics["reward/with_kl_penalty_mean"] = float(rewards.double().sum() / mask.shape[0])
+            metrics["reward/with_kl_penalty_mean"] = self._mean(float(rewards.double().sum()), mask.shape[0])
         values = batch.get("old_values")
-        adv, returns = get("advantage", a.advantage)(rewards, mask, group_ids_B=batch["group_ids"],
-                                                     **({"values_BT": values} if values is not None else {}),
-                                                     **a.advantage_kwargs)
+        # Groups may be split across data-parallel ranks (rebalancing): group statistics and batch
+        # whitening see the whole batch.
+        spread = spread_over(self.ctx.dp_group, self.ctx.device) if self.ctx.dp > 1 else nullcontext()
+        with spread:
+            adv, returns = get("advantage", a.advantage)(rewards, mask, group_ids_B=batch["group_ids"],
+                                                         **({"values_BT": values} if values is not None else {}),
+                                                         **a.advantage_kwargs)
         batch["advantages"] = adv.float()
         if values is not None:
             batch["returns"] = returns.float()
@@ -380,7 +471,7 @@ class Trainer:
             from megatron_rl.algorithms.dapo import overlong_filter_mask
 
             batch["loss_mask"] = overlong_filter_mask(batch["loss_mask"], batch["truncated"]).float()
-            metrics["reward/overlong_filtered_frac"] = float(batch["truncated"].double().mean())
+            metrics["reward/overlong_filtered_frac"] = self._mean(float(batch["truncated"].double().sum()), len(batch))
         return metrics
 
     def old_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -390,14 +481,17 @@ class Trainer:
             return {}
         T = self.cfg.rollout.temperature
         if a.router_replay == "r2":
-            old, batch["routed_experts"] = self.learner.forward_logprobs(batch, routing="record", temperature=T)
+            old, routes = self.learner.forward_logprobs(batch, routing="record", temperature=T)
+            dtype = batching.route_dtype(self.learner.config.num_moe_experts)
+            batch["routed_experts"] = torch.where(routes < 0, batching.no_route(dtype), routes).to(dtype)
         else:
             routing = "replay" if a.router_replay == "r3" else None
             old = self.learner.forward_logprobs(batch, routing=routing, temperature=T)
         if a.recompute_old_logp:
             batch["old_logp"] = torch.where(batch["loss_mask"] > 0, old, torch.zeros_like(old))
         mask = batch["loss_mask"] > 0
-        return {"mismatch/old_vs_rollout_abs_logp": float((old - batch["rollout_logp"]).abs()[mask].mean())}
+        diff = (old - batch["rollout_logp"]).abs()[mask].double()
+        return {"mismatch/old_vs_rollout_abs_logp": self._mean(float(diff.sum()), diff.numel())}
 
     def reference_logprobs(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """log π_ref of the sampled tokens (at the rollout temperature) for the KL penalty; logs
@@ -410,13 +504,14 @@ class Trainer:
         mask = batch["loss_mask"] > 0
         batch["ref_logp"] = torch.where(mask, ref, torch.zeros_like(ref))
         kl = get("kl", a.kl_estimator)(batch["rollout_logp"].double(), batch["ref_logp"].double())
-        return {"kl/rollout_vs_ref": float(kl[mask].mean())}
+        return {"kl/rollout_vs_ref": self._mean(float(kl[mask].sum()), int(mask.sum()))}
 
     def train_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """The critic's value-loss steps: one per mini-batch and epoch, as the policy's."""
         def step(mb):
-            out = self.critic.train_step({"input_ids": mb["input_ids"], "returns": mb["returns"],
-                                          "old_values": mb["old_values"], "response_mask": mb["loss_mask"]})
+            crit = mb.select(torch.arange(len(mb)))
+            crit["response_mask"] = mb["loss_mask"]
+            out = self.critic.train_step(crit)
             bad = nonfinite({k: v for k, v in out.items() if k != "explained_variance"})
             if bad:
                 raise TrainingError(f"step {self.step}: critic non-finite {', '.join(bad)}")
@@ -437,7 +532,8 @@ class Trainer:
         routing = "replay" if a.router_replay != "none" else None
 
         def step(mb):
-            loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens)
+            loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens,
+                                 dp_group=self.ctx.dp_group, device=self.ctx.device)
             out = self.learner.train_step(mb, loss_fn, routing=routing)
             out |= loss_fn.finish(self.learner)
             bad = nonfinite(out)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms.adapter import compute_policy_loss, reduce_diagnostics
+from megatron_rl.algorithms.adapter import compute_policy_loss, global_normalizer, reduce_diagnostics
 from megatron_rl.algorithms.aggregation import local_count
 from megatron_rl.algorithms.policy_losses import aspo_entropy_eps
 from megatron_rl.config.schema import AlgorithmConfig
@@ -25,11 +25,14 @@ TOPK_DIVERGENCES = ("topk_tv", "topk_kl")
 class PolicyLoss:
     """`loss_fn(logits_BSV, mb, tp_group, vocab_size)` for one mini-batch (see learner.py)."""
 
-    def __init__(self, algo: AlgorithmConfig, mini_batch: dict[str, torch.Tensor], temperature: float,
-                 max_response_length: int):
+    def __init__(self, algo: AlgorithmConfig, mini_batch, temperature: float,
+                 max_response_length: int, *, dp_group=None, device=None):
+        """`mini_batch`: the whole mini-batch (a dict every rank holds), or this rank's part of it
+        (a RolloutBatch; then `dp_group` sums the normaliser over the data-parallel ranks)."""
         self.algo, self.temperature, self.max_len = algo, temperature, max_response_length
-        # Every rank holds the whole mini-batch, so the global normaliser needs no collective.
-        self.normalizer = local_count(mini_batch["loss_mask"], algo.agg_mode)
+        mask = mini_batch["loss_mask"]
+        self.normalizer = (global_normalizer(mask.to(device), algo.agg_mode, dp_group=dp_group)
+                           if dp_group is not None else local_count(mask, algo.agg_mode))
         self.kwargs = dict(algo.loss_kwargs)
         if algo.policy_loss == "dppo":
             self.kwargs.setdefault("divergence_type", algo.divergence or "binary_tv")

@@ -13,6 +13,7 @@ sends the full tensors with the configured transport.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import time
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_rl.algorithms.dapo import dynamic_sampling_keep
+from megatron_rl.distributed.collectives import all_reduce_sum
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.rewards import get_reward
@@ -32,6 +33,7 @@ from megatron_rl.rollout.client import RolloutClient, SamplingParams
 from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.trainer.prompts import Prompt
+from megatron_rl.trainer.policy import TOPK_DIVERGENCES
 from megatron_rl.weights.push import push_weights
 
 
@@ -53,12 +55,15 @@ def server_extra_args(cfg: JobConfig) -> tuple[str, ...]:
 
 class Rollouts:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, hf_path: Path, tokenizer,
-                 out_dir: Path, moe_topk: Optional[int]):
+                 out_dir: Path, moe_topk: Optional[int], num_experts: Optional[int] = None):
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
-        self.driver = ctx.rank == 0
+        self.driver = ctx.rank == 0  # starts local servers, pushes weights, evaluates
+        # Every data-parallel rank's model-parallel leader produces that rank's share of groups.
+        self.producer = dist.get_rank(ctx.mp_group) == 0 if dist.is_initialized() else True
         self.manager = None
         self.transport = None
-        self.moe_topk = moe_topk
+        self.client = None
+        self.moe_topk, self.num_experts = moe_topk, num_experts
         self.reward_fn = get_reward(cfg.data.reward)
         self._restarts_seen = 0
         r = cfg.rollout
@@ -66,10 +71,7 @@ class Rollouts:
         where = placement.check_placement(cfg, device)
         # Collective (every rank reports its GPU) before the non-drivers leave.
         gpu_ids = self._local_server_gpus() if where == "local" and device == "cuda" else None
-        if not self.driver:
-            return
-        urls = list(r.server_urls)
-        if not urls:
+        if self.driver and not r.server_urls:
             from megatron_rl.rollout.server import EngineManager, ServerConfig
 
             self.manager = EngineManager(
@@ -79,9 +81,22 @@ class Rollouts:
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
                              extra_args=server_extra_args(cfg)),
                 r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
-        # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
-        # first request: a mismatch is one clear error here, not a rendezvous hang later.
-        placement.checked_endpoints(self.urls(), cfg)
+            # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
+            # first request: a mismatch is one clear error here, not a rendezvous hang later.
+        if self.driver:
+            placement.checked_endpoints(self.urls(), cfg)
+        # The producers' server list: rank 0's local servers (reachable on its host only) or the
+        # launcher's; a small object broadcast once.
+        shared = [(self.urls(), socket.gethostname()) if self.driver else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(shared, src=0)
+        urls, host = shared[0]
+        if not self.producer:
+            return
+        if self.manager is None and not r.server_urls and socket.gethostname() != host:
+            raise ValueError(f"rollout.placement=local serves from rank 0's node ({host}); the producer on "
+                             f"{socket.gethostname()} cannot reach its servers: use "
+                             "rollout.placement=disaggregated with rollout.server_urls on multi-node jobs")
         self.client = RolloutClient(self.manager if self.manager else urls,
                                     request_timeout=r.request_timeout, moe_topk=moe_topk)
         self._loop = asyncio.new_event_loop()
@@ -120,7 +135,19 @@ class Rollouts:
                               seed=seed)
 
     def sample(self, prompts: list[Prompt], n: int, sampling: SamplingParams, top_k: int = 0,
-               routes: bool = False) -> list[list[RolloutRecord]]:
+               routes: bool = False, first_index: Optional[list[int]] = None) -> list[list[RolloutRecord]]:
+        """n samples of each prompt. `first_index`: the prompts' indices in the whole round, so
+        that a seeded sample's seed does not depend on which producer draws it."""
+        if first_index is not None and self.cfg.rollout.seeded:
+            # Seeds follow (prompt, sample) within the round (client: seed + i·n + j): one concurrent
+            # call per prompt with the seed shifted to that prompt's index.
+            async def calls():
+                return await asyncio.gather(*(
+                    self.client.generate([p.ids], dataclasses.replace(sampling, seed=sampling.seed + i * n),
+                                         n=n, top_k_logprobs=top_k, return_routed_experts=routes)
+                    for p, i in zip(prompts, first_index)))
+
+            return [g for out in self._run(calls()) for g in out]
         return self._run(self.client.generate([p.ids for p in prompts], sampling, n=n,
                                               top_k_logprobs=top_k, return_routed_experts=routes))
 
@@ -132,48 +159,72 @@ class Rollouts:
             out.append([float(self.reward_fn(t, p.answer)) for t in texts])
         return out
 
-    def generate(self, take, step: int) -> tuple[list[RolloutRecord], list[float], dict]:
-        """Rank 0: one step's groups (`take(n)` draws prompts). DAPO dynamic sampling keeps
-        generating (at most rollout.max_generation_rounds rounds) until the batch holds
-        prompts_per_step groups whose rewards are not all equal; short of that, equal-reward
-        groups fill the rest (their advantages are zero)."""
+    def generate(self, take, step: int) -> tuple[list[RolloutRecord], list[float], list[int], dict]:
+        """Producers (one per data-parallel rank, collective over them): this rank's share of one
+        step's groups. Prompt j of each round is generated and scored by producer j mod DP; `take(n)`
+        draws the same prompts on every producer. DAPO dynamic sampling keeps generating (at most
+        rollout.max_generation_rounds rounds) until the batch holds prompts_per_step groups whose
+        rewards are not all equal — the producers agree on which groups are informative with one
+        small all-reduce per round; short of that, equal-reward groups fill the rest (their
+        advantages are zero). Returns this rank's (records, rewards, global group ids, metric
+        sums over its groups; `finish_metrics` turns the producers' sums into the step's metrics)."""
         r, a = self.cfg.rollout, self.cfg.algorithm
+        group = self.ctx.dp_group if dist.is_initialized() else None
+        dp = self.ctx.dp
+        me = self.ctx.dp_rank
         want = r.prompts_per_step
-        kept: list[tuple[list[RolloutRecord], list[float]]] = []
-        spare: list[tuple[list[RolloutRecord], list[float]]] = []
+        order: list[tuple[int, int]] = []  # (round, prompt) of every kept group, in batch order
+        spare: list[tuple[int, int]] = []
+        mine: dict[tuple[int, int], tuple[list[RolloutRecord], list[float]]] = {}
         rounds = 0
         start = time.perf_counter()
-        while len(kept) < want and rounds < (r.max_generation_rounds if r.dynamic_sampling else 1):
-            prompts = take(want - len(kept) if rounds else want)
-            groups = self.sample(prompts, r.n_samples,
+        retries0 = len(self.client.retry_events)
+        top_k = r.top_k_logprobs if a.divergence in TOPK_DIVERGENCES else 0
+        while len(order) < want and rounds < (r.max_generation_rounds if r.dynamic_sampling else 1):
+            prompts = take(want - len(order) if rounds else want)
+            js = list(range(me, len(prompts), dp))
+            groups = self.sample([prompts[j] for j in js], r.n_samples,
                                  self.sampling(step, r.temperature, r.max_new_tokens, r.top_p, salt=rounds),
-                                 top_k=r.top_k_logprobs, routes=a.router_replay == "r3")
-            rewards = self.score(prompts, groups)
-            for g, rw in zip(groups, rewards):
-                informative = len(set(rw)) > 1
-                (kept if informative or not r.dynamic_sampling else spare).append((g, rw))
+                                 top_k=top_k, routes=a.router_replay == "r3", first_index=js)
+            rewards = self.score([prompts[j] for j in js], groups)
+            informative = torch.zeros(len(prompts), dtype=torch.int64)
+            for j, g, rw in zip(js, groups, rewards):
+                mine[(rounds, j)] = (g, rw)
+                informative[j] = int(len(set(rw)) > 1)
+            if group is not None and dp > 1:
+                informative = all_reduce_sum(informative, group, self.ctx.device)
+            for j in range(len(prompts)):
+                (order if informative[j] or not r.dynamic_sampling else spare).append((rounds, j))
             rounds += 1
-        kept = (kept + spare)[:want]
-        records = [rec for g, _ in kept for rec in g]
-        rewards = [x for _, rw in kept for x in rw]
-        # Group ids must follow the batch order (prompt_index is per generate call).
-        for gi, (g, _) in enumerate(kept):
-            for rec in g:
-                rec.prompt_index = gi
-        rw = torch.tensor(rewards)
-        gids = torch.tensor([rec.prompt_index for rec in records])
-        lengths = torch.tensor([rec.num_response_tokens for rec in records], dtype=torch.float)
-        metrics = {
-            "rollout/reward_mean": float(rw.mean()),
-            "rollout/accuracy": float((rw > 0).float().mean()),
-            "rollout/informative_groups": float(dynamic_sampling_keep(rw, gids).float().mean()),
-            "rollout/response_len_mean": float(lengths.mean()),
-            "rollout/truncated_frac": float(sum(rec.finish_reason == "length" for rec in records) / len(records)),
-            "rollout/generation_rounds": float(rounds),
-            "rollout/retries": float(len(self.client.retry_events)),
-            "time/generate_only": time.perf_counter() - start,
-        }
-        return records, rewards, metrics
+        order = (order + spare)[:want]
+        records, rewards, gids = [], [], []
+        for gi, key in enumerate(order):
+            if key in mine:
+                g, rw = mine[key]
+                for rec in g:
+                    rec.prompt_index = gi  # group ids follow the batch order
+                records += g
+                rewards += rw
+                gids += [gi] * len(g)
+        rw = torch.tensor(rewards, dtype=torch.float64)
+        sums = torch.tensor([
+            len(records), float(rw.sum()), float((rw > 0).sum()),
+            sum(len(set(mine[k][1])) > 1 for k in order if k in mine), len([k for k in order if k in mine]),
+            float(sum(rec.num_response_tokens for rec in records)),
+            float(sum(rec.finish_reason == "length" for rec in records)),
+            float(len(self.client.retry_events) - retries0)], dtype=torch.float64)
+        return records, rewards, gids, {"_sums": sums, "rollout/generation_rounds": float(rounds),
+                                         "time/generate_only": time.perf_counter() - start}
+
+    @staticmethod
+    def finish_metrics(sums: torch.Tensor) -> dict[str, float]:
+        """The step's rollout metrics from the producers' summed `_sums`."""
+        n, rsum, pos, informative, n_groups, length, truncated, retries = sums.tolist()
+        n, n_groups = max(n, 1.0), max(n_groups, 1.0)
+        return {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
+                "rollout/informative_groups": informative / n_groups,
+                "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
+                "rollout/retries": retries}
 
     def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
         """Rank 0: mean@k and pass@k on held-out prompts."""
@@ -238,7 +289,7 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        if not self.driver:
+        if self.client is None:
             return
         try:
             self._run(self.client.close())

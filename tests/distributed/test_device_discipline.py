@@ -88,7 +88,7 @@ def trainer_worker(rank, world_size, recipe, overrides):
 def save_rollouts(path, cfg, steps: int) -> None:
     """Rollout batches shaped as SGLang's (random tokens; μ of a uniform policy; random routes)."""
     from megatron_rl.rollout.records import RolloutRecord
-    from megatron_rl.trainer.batch import build_batch
+    from megatron_rl.trainer.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     r, tiny = cfg.rollout, cfg.model.tiny
@@ -109,8 +109,11 @@ def save_rollouts(path, cfg, steps: int) -> None:
                     prompt_routed_experts=None if routes is None else routes[:len(prompt) - 1],
                     finish_reason="length", weight_version="0", temperature=1.0))
                 rewards.append(float(s % 2))
-        batch = build_batch(records, rewards, pad_id=0, with_topk=False, with_routes=tiny.moe)
-        torch.save((batch, {}), path / f"step_{step:08d}.pt")
+        groups = [rec.prompt_index for rec in records]
+        batch = RolloutBatch.from_records(
+            records, rewards, group_ids=groups, pad_id=0, with_routes=tiny.moe, num_experts=tiny.num_experts,
+            mini_batch=[g * cfg.algorithm.mini_batches // r.prompts_per_step for g in groups])
+        batch.save(path / f"step_{step:08d}.dp0.pt")
 
 
 @pytest.mark.parametrize("recipe,overrides", [

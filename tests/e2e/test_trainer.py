@@ -185,7 +185,7 @@ def test_overlong_shaping_and_filter_through_the_loop(server_url, tmp_path):
 def test_rollout_only_then_train_only(server_url, tmp_path):
     d = tmp_path / "split"
     run(d, server_url, "trainer.steps=2", "trainer.mode=rollout_only")
-    assert sorted(p.name for p in (d / "rollouts").iterdir()) == ["step_00000000.pt", "step_00000001.pt"]
+    assert sorted(p.name for p in (d / "rollouts").iterdir()) == ["step_00000000.dp0.pt", "step_00000001.dp0.pt"]
     # No server at all for train_only: a dead URL proves nothing is contacted.
     run(d / "train", "http://127.0.0.1:9", "trainer.steps=2", "trainer.mode=train_only",
         f"trainer.rollouts_dir={d / 'rollouts'}")

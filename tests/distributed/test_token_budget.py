@@ -1,0 +1,131 @@
+"""Token-budget micro-batches of rebalanced per-rank rollout batches give today's step.
+
+Reference: one process, the whole mini-batch as the global padded dict (every micro-batch padded
+to the global longest, `micro_batch_size` sequences each) — the layout the learner has always run.
+Under test: the same sequences produced as whole groups by each data-parallel rank (group id mod
+DP), exchanged by `rebalance` (real gloo point-to-point), cut under
+`learner.max_tokens_per_micro_batch` with each micro-batch trimmed to its own longest, and the
+policy loss normalised by an all-reduced count — at TP2, PP2, DP2 (dense) and EP2 with R3 replay
+of engine routes (MoE). Loss, grad norm and every weight after the Adam step must agree up to
+fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rl.distributed.spawn import run_distributed
+from megatron_rl.models.tiny import make_tiny_checkpoint
+
+GROUPS, N, TOL = 4, 3, 1e-6
+
+
+def make_batch(moe: bool, num_experts: int = 4, layers: int = 2, k: int = 2):
+    """GROUPS x N sequences of very different lengths, as RolloutBatch (+ advantages)."""
+    from megatron_rl.rollout.records import RolloutRecord
+    from megatron_rl.trainer.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    records, rewards, gids = [], [], []
+    for p in range(GROUPS):
+        prompt = torch.randint(3, 99, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+        for s in range(N):
+            T = int(torch.randint(1, 24, (1,), generator=g))
+            routes = torch.stack([torch.randperm(num_experts, generator=g)[:k]
+                                  for _ in range((len(prompt) + T - 1) * layers)]).view(-1, layers, k)
+            records.append(RolloutRecord(
+                prompt_index=p, sample_index=s, prompt_ids=prompt,
+                response_ids=torch.randint(3, 99, (T,), generator=g),
+                rollout_logp=-torch.rand(T, generator=g) * 5, topk_ids=None, topk_logp=None,
+                routed_experts=routes[len(prompt) - 1:].int() if moe else None,
+                prompt_routed_experts=routes[:len(prompt) - 1].int() if moe else None,
+                finish_reason="stop", weight_version="0", temperature=1.0))
+            rewards.append(float(s % 2))
+            gids.append(p)
+    batch = RolloutBatch.from_records(records, rewards, group_ids=gids, mini_batch=[0] * len(gids), pad_id=0,
+                                      with_routes=moe, num_experts=num_experts)
+    batch["advantages"] = torch.randn(len(batch), int(batch.seq_lens.max()), generator=g)
+    return batch
+
+
+def worker(rank, world_size, hf_path, parallel, moe, budget):
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import JobConfig, ParallelConfig
+    from megatron_rl.distributed.context import init_distributed
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.trainer.batch import rebalance
+    from megatron_rl.trainer.policy import PolicyLoss
+
+    cfg = JobConfig()
+    cfg.model.hf_path = hf_path
+    cfg.parallel = ParallelConfig(**parallel)
+    cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.clip_grad = 1e-3, 1e-3, 1.0
+    cfg.algorithm.policy_loss, cfg.algorithm.divergence = "dppo", "binary_tv"
+    cfg.learner.micro_batch_size = 4
+    cfg.learner.max_tokens_per_micro_batch = budget
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, ctx, run_dir="/nonexistent")
+    batch = make_batch(moe)
+    stats = {}
+    if budget:
+        # Each data-parallel rank produced whole groups; then the exchange balances tokens.
+        mine = (batch.seq["group_ids"] % ctx.dp == ctx.dp_rank).nonzero().flatten()
+        batch = batch.select(mine)
+        if ctx.dp > 1:
+            batch, stats = rebalance(batch, ctx.dp_group, 1, ctx.device)
+        dp_group = ctx.dp_group
+    else:
+        batch = batch.micro_batch(torch.arange(len(batch)), int(batch.seq_lens.max()))  # global dict
+        dp_group = None
+    loss_fn = PolicyLoss(cfg.algorithm, batch, 1.0, 64, dp_group=dp_group, device=ctx.device)
+    metrics = learner.train_step(batch, loss_fn, routing="replay" if moe else None)
+    metrics |= loss_fn.finish(learner)
+    after = {k: v.clone() for k, v in learner.export_hf_weights()}
+    tokens = torch.tensor([int(batch["seq_len"].sum()) if budget else 0], device=ctx.device)
+    if budget and ctx.dp > 1:
+        everyone = [torch.zeros_like(tokens) for _ in range(ctx.dp)]
+        dist.all_gather(everyone, tokens, group=ctx.dp_group)
+        stats["tokens_per_rank"] = [int(t) for t in everyone]
+    if rank != 0:
+        return None
+    return dict(metrics=metrics, after=after, stats=stats, plan=[p.tolist() for p in learner._plan or []])
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), num_layers=2)
+    return path, run_distributed(worker, 1, str(path), {}, False, 0)[0]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True)
+    return path, run_distributed(worker, 1, str(path), {}, True, 0)[0]
+
+
+def _check(out, ref, label):
+    for k in ("loss/total", "loss/pg", "grad_norm", "tokens/count" if "tokens/count" in ref["metrics"] else "loss/pg"):
+        assert out["metrics"][k] == pytest.approx(ref["metrics"][k], rel=1e-5, abs=1e-7), (label, k)
+    worst = max((out["after"][k] - ref["after"][k]).abs().max().item() for k in ref["after"])
+    assert worst <= TOL, f"{label}: weights after the step differ from the reference by {worst}"
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}, {}], ids=["tp2", "pp2", "dp2"])
+def test_token_budget_step_equals_the_padded_global_step(dense, parallel):
+    path, ref = dense
+    out = run_distributed(worker, 2, str(path), parallel, False, 48)[0]
+    _check(out, ref, str(parallel))
+    # More than one micro-batch, each within the budget (a sequence longer than it runs alone).
+    assert len(out["plan"]) > 1
+    if not parallel:  # DP2: the exchange ran and evened the tokens
+        assert out["stats"]["moved_sequences"] >= 0
+        t = out["stats"]["tokens_per_rank"]
+        assert max(t) - min(t) <= 30, t
+
+
+def test_token_budget_step_with_r3_replay_at_ep2(moe):
+    path, ref = moe
+    out = run_distributed(worker, 2, str(path), {"ep": 2}, True, 48)[0]
+    _check(out, ref, "ep2 r3")
