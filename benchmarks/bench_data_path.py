@@ -33,25 +33,29 @@ Why the funnel design cannot run whole at Table-1 scale on 24 GiB: `build_batch`
 routes as one int64 [B, S, L, k] tensor padded to the longest sequence, i.e. 4096 x ~16.7k x 48
 x 8 x 8 B ≈ 210 GB (≈ 214 GB at S = 17k), and broadcast_object_list pickles it (two more
 copies on rank 0, two on every receiver). Even the per-record int32 routes the client keeps are
-4096 x ~5.2k x 48 x 8 x 4 B ≈ 33 GB, and the JSON bodies ≈ 13 MB per mean response (base64
-routes 2 KiB/token + top-K text ~0.5 KiB/token) ≈ 55 GB through rank 0. So `--design funnel`
+4096 x ~5.2k x 48 x 8 x 4 B ≈ 33 GB, and the JSON bodies ≈ 2.9 KB per token (base64 routes
+2 KiB, top-K text ~0.6 KiB) ≈ 14 MB per mean response ≈ 58 GB through rank 0. So `--design funnel`
 runs a fraction of the batch (`--fraction`, whole groups: the first groups of the draw) and
 reports the ratios measured there; its times and bytes are also extrapolated linearly to the
 full batch (by padded bytes B x S_pad, which is what those phases move), labelled extrapolated.
 
 Designs.
-- funnel (today's code): rank 0 generates every sample of the batch (`RolloutClient.generate`,
-  records per response), `build_batch`, frees the records (they are locals of the trainer's
-  `_generate_on_driver`), `broadcast_object_list` of (batch, metrics) to every rank; each rank
-  then cuts every mini-batch (`trainer/batch.mini_batches`) into its micro-batches with the
-  learner's own `Learner._local_micro_batches` (DP = the 2 processes; padded to the global
-  longest), one mini-batch at a time as `train_step` does.
-- sharded (the new design): each process is one DP rank of DP = 32 (table1) and generates only
-  its own share of whole groups (one group of every mini-batch at table1: 8 groups x 16
-  samples), builds a compact per-rank batch (`RolloutBatch.from_records`), balances tokens per
-  mini-batch across the DP group (`rebalance`, point-to-point tensors), and cuts token-budget
-  micro-batches (`plan_micro_batches` + `RolloutBatch.micro_batch`). Per-rank figures are
-  measured at the DP = 32 share directly; only the balancing partner set is 2 ranks, not 32.
+- funnel (the path before per-rank batches, commit 80e815a): rank 0 generates every sample of
+  the batch (`RolloutClient.generate`, records per response), `build_batch` (trainer/batch.py of
+  that commit, kept verbatim below as `legacy_build_batch`), frees the records (they were locals
+  of the trainer's `_generate_on_driver`), `broadcast_object_list` of (batch, metrics) to every
+  rank; each rank then cuts every mini-batch (`legacy_mini_batches`) into its micro-batches with
+  the learner's own `Learner._local_micro_batches` (DP = the 2 processes, `micro_batch_size`
+  sequences, padded to the global longest), one mini-batch at a time as `train_step` does.
+- sharded (trainer/loop.py `_produce` now): each process is one DP rank of DP = 32 (table1) and
+  generates only its own share of whole groups (prompt j by rank j mod DP: 8 groups x 16
+  samples, one group of every mini-batch), `RolloutBatch.from_records` (compact, per sequence),
+  `rebalance` (lengths all-gathered, sequences sent point-to-point so that each mini-batch's
+  tokens are balanced), and the learner's `Learner._budget_micro_batches` on every mini-batch
+  (`learner.max_tokens_per_micro_batch` = 32768 at table1, each micro-batch trimmed to its own
+  longest), every micro-batch materialised once. Per-rank figures are those of a DP = 32 rank
+  measured directly; only the balancing runs among the 2 processes, not 32 ranks.
+Both request top-K 20 (a top-K divergence; with a binary one the new design asks for none).
 
 Measured, per rank: peak extra host memory = ru_maxrss at the end minus the RSS just before
 generation starts (ru_maxrss cannot miss a short spike; a thread sampling /proc/self/statm every
@@ -62,8 +66,8 @@ the server is another process); JSON bytes the rank's server sent.
 
 JSON keys (issue 20): rank0_peak_over_batch_bytes = rank 0's peak extra / the compact bytes of
 the batch rank 0 holds (funnel: the measured fraction; sharded: rank 0's share); the compact
-bytes are counted independently of either design as token ids int32 (P+T), rollout log-probs
-fp32 (T), top-K ids int32 + log-probs fp32 (T x K), routes uint8 ((P+T−1) x L x k).
+bytes are counted from the lengths alone, independently of either design, in the compact layout
+of `RolloutBatch` (`compact_nbytes`; equal to `RolloutBatch.nbytes()`).
 max_rank_recv_over_share = the most bytes a rank receives from other ranks / its share of the
 compact batch at the scale's DP (funnel: every rank receives the whole batch, its share is 1/DP
 of it). padding_waste = padded token slots / all slots over the micro-batches cut (a token =
@@ -72,7 +76,8 @@ parsed (the latest rank's `generate` returning) to the last rank holding its mic
 mini-batches cut). Targets at table1: <= 1.5, <= 1.1, <= 0.10, <= 8 s.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale table1 --design funnel --fraction 1/256 --json out.json
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale small --design funnel --json out.json
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale table1 --design sharded --json out.json
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale small --design funnel|sharded --json out.json
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -264,6 +270,83 @@ def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.
 
 
 # ------------------------------------------------------------------------------------------------
+# the funnel's batch code: trainer/batch.py as of commit 80e815a (before per-rank batches), verbatim
+# but for the names; what `_generate_on_driver` and `_mini_batch_steps` called
+# ------------------------------------------------------------------------------------------------
+
+
+def legacy_build_batch(records: Sequence, rewards: Sequence[float], pad_id: int,
+                with_topk: bool, with_routes: bool) -> dict[str, torch.Tensor]:
+    B = len(records)
+    S = max(r.prompt_ids.numel() + r.response_ids.numel() for r in records)
+    ids = torch.full((B, S), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, S)
+    mu = torch.zeros(B, S)
+    K = records[0].topk_ids.shape[1] if with_topk else 0
+    topk_ids = torch.full((B, S, K), -1, dtype=torch.long) if with_topk else None
+    topk_logp = torch.zeros(B, S, K) if with_topk else None
+    routes = None
+    if with_routes:
+        L, k = records[0].routed_experts.shape[1:]
+        routes = torch.full((B, S, L, k), -1, dtype=torch.long)
+    for i, r in enumerate(records):
+        P, T = r.prompt_ids.numel(), r.response_ids.numel()
+        ids[i, :P] = r.prompt_ids
+        ids[i, P:P + T] = r.response_ids
+        rows = slice(P - 1, P - 1 + T)
+        mask[i, rows] = 1.0
+        mu[i, rows] = r.rollout_logp.float()
+        if with_topk:
+            topk_ids[i, rows] = r.topk_ids.long()
+            topk_logp[i, rows] = r.topk_logp.float()
+        if with_routes:
+            seq = r.sequence_routed_experts()
+            routes[i, : seq.shape[0]] = seq.long()
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = pad_id
+    batch = dict(input_ids=ids, labels=labels, loss_mask=mask, rollout_logp=mu,
+                 rewards=torch.tensor(list(rewards), dtype=torch.float32),
+                 group_ids=torch.tensor([r.prompt_index for r in records], dtype=torch.long),
+                 response_len=torch.tensor([r.response_ids.numel() for r in records]),
+                 truncated=torch.tensor([r.finish_reason == "length" for r in records]))
+    if with_topk:
+        legacy_check_distinct_topk(topk_ids, records)
+        batch.update(topk_ids=topk_ids, topk_logp=topk_logp)
+    if with_routes:
+        batch["routed_experts"] = routes
+    return batch
+
+
+def legacy_check_distinct_topk(topk_ids: torch.Tensor, records: Sequence) -> None:
+    """Raise if a top-K row of `topk_ids` [B, S, K] names an id twice (−1 padding aside).
+
+    An inference engine's top-K lists distinct tokens; a repeat means a malformed rollout, and the
+    learner's top-K divergences assume there is none (`vocab_parallel_policy_stats(topk_distinct=
+    True)`), so it is reported here, naming the sample and the response token.
+    """
+    srt = topk_ids.sort(dim=-1).values
+    rep = (srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)
+    if not bool(rep.any()):
+        return
+    i, s, k = (int(v) for v in rep.nonzero()[0])
+    r = records[i]
+    t = s - (r.prompt_ids.numel() - 1)
+    raise ValueError(
+        f"rollout sample (prompt {r.prompt_index}, sample {r.sample_index}): the top-K ids of "
+        f"response token {t} name id {int(srt[i, s, k])} twice ({topk_ids[i, s].tolist()}); an "
+        "inference engine's top-K lists distinct tokens")
+
+
+def legacy_mini_batches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """Split the global batch into n contiguous mini-batches of whole prompt groups."""
+    B = batch["input_ids"].shape[0]
+    if B % n:
+        raise ValueError(f"{B} sequences do not split into algorithm.mini_batches = {n}")
+    size = B // n
+    return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------
 # measurement
 # ------------------------------------------------------------------------------------------------
 def rss_bytes() -> int:
@@ -303,17 +386,20 @@ class PeakMemory:
 
 
 def compact_nbytes(P: np.ndarray, T: np.ndarray, s: Scale) -> int:
-    """The batch in compact per-record form (see the module docstring)."""
+    """Bytes of sequences in the compact per-sequence layout (trainer/batch.py `RolloutBatch`,
+    counted here from the lengths alone): per position input ids int32, loss mask and rollout
+    log-probs fp32; per response token K top-K ids int32 + log-probs fp32; per input position but
+    the last L x k uint8 routes; per sequence 5 int64, 1 fp32, 1 bool."""
     P, T = np.asarray(P, dtype=np.int64), np.asarray(T, dtype=np.int64)
-    per = 4 * (P + T) + 4 * T + 8 * T * s.topk_logprobs + (P + T - 1) * s.moe_layers * s.moe_topk
+    per = (12 * (P + T) + 8 * T * s.topk_logprobs + (P + T - 1) * s.moe_layers * s.moe_topk
+           + 5 * 8 + 4 + 1)
     return int(per.sum())
 
 
-def shares(s: Scale, groups_per_rank_mb: int) -> list[list[int]]:
-    """Groups of each DP rank: `groups_per_rank_mb` whole groups of every mini-batch."""
-    per_mb = s.prompts // s.mini_batches
-    return [[m * per_mb + r * groups_per_rank_mb + g for m in range(s.mini_batches)
-             for g in range(groups_per_rank_mb)] for r in range(s.dp)]
+def shares(s: Scale) -> list[list[int]]:
+    """Groups of each DP rank: prompt j of the step is produced by rank j mod DP
+    (trainer/rollouts.py `Rollouts.generate`), i.e. prompts/(mini-batches x DP) of every mini-batch."""
+    return [list(range(r, s.prompts, s.dp)) for r in range(s.dp)]
 
 
 async def _generate(url: str, s: Scale, seed: int, groups: list[int], prompt_len: np.ndarray):
@@ -340,23 +426,15 @@ def rewards_for(records, seed: int) -> list[float]:
 
 def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], rank_groups: list[list[int]],
                 prompt_len: np.ndarray) -> dict:
-    """Today's path: rank 0 generates and builds the global batch, broadcast_object_list, each
-    rank cuts its micro-batches with the learner's `_local_micro_batches`."""
-    import types
-
+    """The path before per-rank batches: rank 0 generates and builds the global batch,
+    broadcast_object_list, each rank cuts its micro-batches with the learner's
+    `_local_micro_batches` (still the learner's path for a dict batch)."""
     import torch.distributed as dist
 
-    from megatron_rl.config.schema import JobConfig
     from megatron_rl.learner.learner import Learner
-    from megatron_rl.trainer import batch as batching
 
     torch.set_num_threads(1)
-    cfg = JobConfig()
-    cfg.learner.micro_batch_size = s.micro_batch_size
-    cfg.learner.pad_to_multiple_of = s.pad_to_multiple_of
-    ctx = types.SimpleNamespace(dp=world, dp_rank=rank, tp=1, sequence_parallel=False,
-                                device=torch.device("cpu"))
-    learner = types.SimpleNamespace(cfg=cfg, ctx=ctx)  # all `_local_micro_batches` reads
+    learner = learner_stand_in(s, rank, world)
     url, groups = urls[0], rank_groups[0]  # rank 0 generates every sample
     n_mini = min(s.mini_batches, len(groups))
     out: dict = dict(rank=rank)
@@ -368,8 +446,8 @@ def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ran
                 out.update(t_parsed=t_parsed, client_cpu_s=cpu, responses=len(records),
                            response_tokens=sum(r.num_response_tokens for r in records))
                 print(f"[rank 0] {len(records)} records parsed ({cpu:.1f} s client CPU); build_batch", flush=True)
-                batch = batching.build_batch(records, rewards_for(records, seed), pad_id=PAD_ID,
-                                             with_topk=True, with_routes=True)
+                batch = legacy_build_batch(records, rewards_for(records, seed), pad_id=PAD_ID,
+                                           with_topk=True, with_routes=True)
                 return batch, {"reward/mean": 0.5}
 
             payload = [driver()]
@@ -384,7 +462,7 @@ def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ran
         out["recv_bytes"] = 0 if rank == 0 else sum(v.nbytes for v in batch.values())
         out["batch_tensor_bytes"] = sum(v.nbytes for v in batch.values())
         real = slots = n_mb = 0
-        for mb in batching.mini_batches(batch, n_mini):
+        for mb in legacy_mini_batches(batch, n_mini):
             micro, S_pad, _ = Learner._local_micro_batches(learner, mb)
             for m in micro:
                 # real tokens of a row = P + T = (last response-mask position) + 2
@@ -405,14 +483,17 @@ def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ran
 
 def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], rank_groups: list[list[int]],
                  prompt_len: np.ndarray) -> dict:
-    """The new path: this rank generates its own share, builds a compact batch, rebalances tokens
-    with the DP group, cuts token-budget micro-batches."""
+    """The new path (trainer/loop.py `_produce`): this rank generates its own share of groups,
+    `RolloutBatch.from_records`, `rebalance` with the DP group, and the learner's token-budget
+    micro-batches (`Learner._budget_micro_batches`) of every mini-batch."""
     import torch.distributed as dist
 
-    from megatron_rl.trainer.batch import RolloutBatch, plan_micro_batches, rebalance
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.trainer import batch as batching
+    from megatron_rl.trainer.batch import RolloutBatch
 
     torch.set_num_threads(1)
-    per_mb = s.prompts // s.mini_batches
+    learner = learner_stand_in(s, rank, world)
     url, groups = urls[rank], rank_groups[rank]
     out: dict = dict(rank=rank)
     dist.barrier()
@@ -421,35 +502,52 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
         out.update(t_parsed=t_parsed, client_cpu_s=cpu, responses=len(records),
                    response_tokens=sum(r.num_response_tokens for r in records))
         print(f"[rank {rank}] {len(records)} records parsed ({cpu:.1f} s client CPU)", flush=True)
-        group_ids = [groups[r.prompt_index] for r in records]
-        batch = RolloutBatch.from_records(records, rewards_for(records, seed), group_ids=group_ids,
-                                          mini_batch=[g // per_mb for g in group_ids], pad_id=PAD_ID)
+        gids = [groups[r.prompt_index] for r in records]
+        batch = RolloutBatch.from_records(
+            records, rewards_for(records, seed), group_ids=gids,
+            mini_batch=[g * s.mini_batches // s.prompts for g in gids], pad_id=PAD_ID,
+            with_topk=True, with_routes=True, num_experts=s.experts, route_shape=(s.moe_layers, s.moe_topk))
         del records
         out["own_nbytes"] = batch.nbytes()
         out["t_built"] = time.monotonic()
-        batch, stats = rebalance(batch, dist.group.WORLD)
+        batch, stats = batching.rebalance(batch, dist.group.WORLD, s.mini_batches, torch.device("cpu"))
         out["t_bcast"] = time.monotonic()
-        out["recv_bytes"] = int(stats["recv_bytes"])
+        out.update(recv_bytes=int(stats["recv_bytes"]), sent_bytes=int(stats["sent_bytes"]),
+                   moved_sequences=int(stats["moved_sequences"]), sequences_after=len(batch),
+                   batch_nbytes=batch.nbytes())
         real = slots = n_mb = 0
-        seq_len = batch.seq["seq_len"]
-        for m in range(s.mini_batches):
-            idx_m = (batch.seq["mini_batch"] == m).nonzero().flatten()
-            for plan in plan_micro_batches(seq_len[idx_m], s.max_tokens, s.pad_to_multiple_of):
-                idx = idx_m[plan]
-                longest = int(seq_len[idx].max())
-                S_pad = -(-longest // s.pad_to_multiple_of) * s.pad_to_multiple_of
-                mb = batch.micro_batch(idx, S_pad, torch.device("cpu"))
-                real += int(seq_len[idx].sum())
-                slots += mb["input_ids"].numel()
+        for mb in batching.mini_batches(batch, s.mini_batches):
+            makers, _, _ = Learner._budget_micro_batches(learner, mb)
+            for make in makers:  # the learner materialises one micro-batch at a time
+                m = make()
+                real += int(m["seq_len"].sum())  # a filler micro-batch's seq fields are 0
+                slots += m["input_ids"].numel()
                 n_mb += 1
-                del mb
+                del m
         out["t_hold"] = time.monotonic()
-        out["batch_nbytes"] = batch.nbytes()
-        del batch
+        del batch, mb
     out.update(mem.report(), real_tokens=real, slots=slots, micro_batches=n_mb)
     print(f"[rank {rank}] done: peak extra {mem.extra / 2**30:.2f} GiB, received "
           f"{out['recv_bytes'] / 2**20:.1f} MiB", flush=True)
     return out
+
+
+def learner_stand_in(s: Scale, rank: int, world: int):
+    """What the learner's micro-batch methods read of `self`: the learner config and the DP layout
+    (the 2 processes are the DP group; TP = 1)."""
+    import types
+
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import JobConfig
+
+    cfg = JobConfig()
+    cfg.learner.micro_batch_size = s.micro_batch_size
+    cfg.learner.pad_to_multiple_of = s.pad_to_multiple_of
+    cfg.learner.max_tokens_per_micro_batch = s.max_tokens
+    ctx = types.SimpleNamespace(dp=world, dp_rank=rank, dp_group=dist.group.WORLD, tp=1,
+                                sequence_parallel=False, device=torch.device("cpu"))
+    return types.SimpleNamespace(cfg=cfg, ctx=ctx)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -532,7 +630,7 @@ def main() -> None:
         rank_groups = [list(range(int(n_groups)))]  # rank 0 generates everything
     else:
         frac = fractions.Fraction(1)
-        rank_groups = shares(s, s.prompts // (s.mini_batches * s.dp))[:world]
+        rank_groups = shares(s)[:world]
     gen_groups = sorted(g for gs in rank_groups for g in gs)
     print(f"bench_data_path: scale={args.scale} design={args.design} groups generated={len(gen_groups)} "
           f"x {s.samples} samples, response mean of the whole draw {resp_len.mean():.0f} tokens", flush=True)

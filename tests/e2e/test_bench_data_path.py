@@ -141,3 +141,28 @@ def test_funnel_figures(funnel):
     assert res["per_rank"][1]["recv_bytes"] == B * (S * per_pos + 4 + 8 + 8 + 1)
     assert res["per_rank"][0]["recv_bytes"] == 0
     assert res["max_rank_recv_over_share"] > s.dp  # every rank receives more than the whole batch
+
+
+def test_sharded_figures(sharded):
+    bench = _bench()
+    res = sharded
+    _sane(res, "sharded")
+    s = bench.SCALES["small"]
+    P, T = bench.draw_lengths(s, 0)
+    ranks = res["per_rank"]
+    # each rank built its compact batch from its own groups (prompt j on rank j mod DP): the API's
+    # nbytes equals the count from the drawn lengths
+    for r, groups in zip(ranks, bench.shares(s)):
+        assert r["responses"] == len(groups) * s.samples
+        assert r["own_nbytes"] == bench.compact_nbytes(P[groups][:, None].repeat(s.samples, 1), T[groups], s)
+    # rebalancing moved sequences between the two ranks and lost none; every sequence went into
+    # exactly one micro-batch
+    assert ranks[0]["recv_bytes"] == ranks[1]["sent_bytes"] and ranks[1]["recv_bytes"] == ranks[0]["sent_bytes"]
+    assert sum(r["sequences_after"] for r in ranks) == 128
+    assert sum(r["batch_nbytes"] for r in ranks) == sum(r["own_nbytes"] for r in ranks)
+    assert sum(r["real_tokens"] for r in ranks) == int((P[:, None] + T).sum())
+
+
+def test_sharded_beats_funnel(funnel, sharded):
+    for k in KEYS:
+        assert sharded[k] < funnel[k], (k, sharded[k], funnel[k])
