@@ -380,9 +380,15 @@ class PeakMemory:
         self.extra = maxrss_bytes() - self.before
         self.extra_sampled = self.peak - self.before
 
+    def mark(self, phase: str) -> None:
+        """Record the RSS now and the peak so far (both over the baseline) at the end of `phase`."""
+        self.phases = getattr(self, "phases", {})
+        self.phases[phase] = dict(rss_extra=rss_bytes() - self.before, peak_extra=maxrss_bytes() - self.before)
+
     def report(self) -> dict:
         return dict(peak_extra_bytes=self.extra, peak_extra_bytes_sampled=self.extra_sampled,
-                    rss_before_bytes=self.before, maxrss_before_bytes=self.maxrss_before)
+                    rss_before_bytes=self.before, maxrss_before_bytes=self.maxrss_before,
+                    phase_memory=getattr(self, "phases", {}))
 
 
 def compact_nbytes(P: np.ndarray, T: np.ndarray, s: Scale) -> int:
@@ -443,6 +449,7 @@ def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ran
         if rank == 0:
             def driver():  # trainer/loop.py `_generate_on_driver`: records die with it
                 records, t_parsed, cpu = generate(url, s, seed, groups, prompt_len)
+                mem.mark("generated (records held)")
                 out.update(t_parsed=t_parsed, client_cpu_s=cpu, responses=len(records),
                            response_tokens=sum(r.num_response_tokens for r in records))
                 print(f"[rank 0] {len(records)} records parsed ({cpu:.1f} s client CPU); build_batch", flush=True)
@@ -452,11 +459,13 @@ def funnel_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ran
 
             payload = [driver()]
             out["t_built"] = time.monotonic()
+            mem.mark("built (records freed)")
             print(f"[rank 0] batch {tuple(payload[0][0]['routed_experts'].shape)} routes; broadcast", flush=True)
         else:
             payload = [None]
         dist.broadcast_object_list(payload, src=0)
         out["t_bcast"] = time.monotonic()
+        mem.mark("distributed")
         batch = payload[0][0]
         del payload
         out["recv_bytes"] = 0 if rank == 0 else sum(v.nbytes for v in batch.values())
@@ -499,6 +508,7 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
     dist.barrier()
     with PeakMemory() as mem:
         records, t_parsed, cpu = generate(url, s, seed, groups, prompt_len)
+        mem.mark("generated (records held)")
         out.update(t_parsed=t_parsed, client_cpu_s=cpu, responses=len(records),
                    response_tokens=sum(r.num_response_tokens for r in records))
         print(f"[rank {rank}] {len(records)} records parsed ({cpu:.1f} s client CPU)", flush=True)
@@ -510,8 +520,10 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
         del records
         out["own_nbytes"] = batch.nbytes()
         out["t_built"] = time.monotonic()
+        mem.mark("built (records freed)")
         batch, stats = batching.rebalance(batch, dist.group.WORLD, s.mini_batches, torch.device("cpu"))
         out["t_bcast"] = time.monotonic()
+        mem.mark("distributed")
         out.update(recv_bytes=int(stats["recv_bytes"]), sent_bytes=int(stats["sent_bytes"]),
                    moved_sequences=int(stats["moved_sequences"]), sequences_after=len(batch),
                    batch_nbytes=batch.nbytes())
@@ -611,6 +623,8 @@ def main() -> None:
     ap.add_argument("--design", choices=("funnel", "sharded"), default="funnel")
     ap.add_argument("--fraction", default=None,
                     help="funnel: part of the batch to run, whole groups (table1 default 1/256, i.e. one group; small: 1)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="sharded: learner.max_tokens_per_micro_batch (default per scale: table1 32768, small 4096)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
@@ -618,6 +632,10 @@ def main() -> None:
     from megatron_rl.distributed.spawn import run_distributed
 
     s = SCALES[args.scale]
+    if args.max_tokens is not None:
+        if args.max_tokens <= 0:
+            raise SystemExit(f"--max-tokens must be positive (got {args.max_tokens})")
+        s = dataclasses.replace(s, max_tokens=args.max_tokens)
     world = 2
     prompt_len, resp_len = draw_lengths(s, args.seed)
     if s.prompts % (s.mini_batches * s.dp):
