@@ -52,7 +52,7 @@ Designs.
   samples, one group of every mini-batch), `RolloutBatch.from_records` (compact, per sequence),
   `rebalance` (lengths all-gathered, sequences sent point-to-point so that each mini-batch's
   tokens are balanced), and the learner's `Learner._budget_micro_batches` on every mini-batch
-  (`learner.max_tokens_per_micro_batch` = 32768 at table1, each micro-batch trimmed to its own
+  (`learner.max_tokens_per_micro_batch` = 20480 at table1, each micro-batch trimmed to its own
   longest), every micro-batch materialised once. Per-rank figures are those of a DP = 32 rank
   measured directly; only the balancing runs among the 2 processes, not 32 ranks.
 Both request top-K 20 (a top-K divergence; with a binary one the new design asks for none).
@@ -129,7 +129,7 @@ class Scale:
     prompt_max: int = 400
     vocab: int = 151936
     micro_batch_size: int = 1  # funnel: learner.micro_batch_size
-    max_tokens: int = 32768  # sharded: token budget of a micro-batch
+    max_tokens: int = 20480  # sharded: token budget of a micro-batch (configs/paper/dppo_table1.yaml)
     pad_to_multiple_of: int = 8  # learner.pad_to_multiple_of (TP = 1, no sequence parallel)
     fraction: str = "1/256"  # funnel: the part of the batch that runs (one group: ~2.5 GB per rank)
 
@@ -412,7 +412,7 @@ async def _generate(url: str, s: Scale, seed: int, groups: list[int], prompt_len
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
 
     prompts = [prompt_ids(s, seed, g, int(prompt_len[g])) for g in groups]
-    async with RolloutClient([url], moe_topk=s.moe_topk, request_timeout=3600.0) as client:
+    async with RolloutClient([url], moe_topk=s.moe_topk, num_experts=s.experts, request_timeout=3600.0) as client:
         out = await client.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=s.len_max),
                                     n=s.samples, top_k_logprobs=s.topk_logprobs, return_routed_experts=True)
     return [r for row in out for r in row]
@@ -501,10 +501,13 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
     from megatron_rl.trainer import batch as batching
     from megatron_rl.trainer.batch import RolloutBatch
 
+    from megatron_rl.rollout.memory import return_large_frees
+
     torch.set_num_threads(1)
     learner = learner_stand_in(s, rank, world)
     url, groups = urls[rank], rank_groups[rank]
     out: dict = dict(rank=rank)
+    return_large_frees()  # as every producer does (trainer/rollouts.py)
     dist.barrier()
     with PeakMemory() as mem:
         records, t_parsed, cpu = generate(url, s, seed, groups, prompt_len)
@@ -624,7 +627,7 @@ def main() -> None:
     ap.add_argument("--fraction", default=None,
                     help="funnel: part of the batch to run, whole groups (table1 default 1/256, i.e. one group; small: 1)")
     ap.add_argument("--max-tokens", type=int, default=None,
-                    help="sharded: learner.max_tokens_per_micro_batch (default per scale: table1 32768, small 4096)")
+                    help="sharded: learner.max_tokens_per_micro_batch (default per scale: table1 20480, small 4096)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()

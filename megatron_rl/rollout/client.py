@@ -68,7 +68,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from .records import MalformedResponse, RolloutRecord, finish_reason, record_from_sglang
+from .records import MalformedResponse, RolloutRecord, finish_reason, record_from_sglang, split_bulk_fields
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,12 @@ TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation req
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
 
 
+READ_SLOTS = 1
+"""Responses read and parsed at once per client: a body is parsed into a record right after it is
+read, so the process holds at most this many raw bodies (a 16k-token response with top-K and routes
+is ~45 MB of JSON) however many requests are in flight."""
+
+
 def generation_timeout_s(max_new_tokens: int) -> float:
     """Seconds a generation request with this budget may take: 300 + max_new_tokens / 8."""
     return TIMEOUT_BASE_S + max_new_tokens / FLOOR_DECODE_TOKENS_PER_S
@@ -173,9 +179,18 @@ def _gc_paused():
 
 
 def _loads(body: bytes, url: str, route: str) -> Any:
+    bulk = {}
+    if route == "/generate":
+        # The bulky values stay raw bytes (records.py reads them in numpy): parsing a 16k-token
+        # answer's top-K into Python lists would cost ~2x its body in transient memory.
+        body, bulk = split_bulk_fields(body)
     try:
         with _gc_paused():
-            return orjson.loads(body)
+            out = orjson.loads(body)
+        target = out[0] if isinstance(out, list) and out else out
+        if bulk and isinstance(target, dict) and isinstance(target.get("meta_info"), dict):
+            target["meta_info"].update(bulk)
+        return out
     except orjson.JSONDecodeError as e:
         raise MalformedResponse("(body)", f"{url}{route} answered 200 with invalid JSON ({e}); "
                                 f"it begins {body[:200]!r}") from None
@@ -193,18 +208,25 @@ class ServerAPI:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
 
     async def _request(self, method: str, route: str, payload: dict | None = None,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, gate: asyncio.Semaphore | None = None) -> Any:
         t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
         async with self.session.request(method, self.url + route, json=payload, timeout=t) as r:
-            body = await r.read()
-            if r.status != 200:
-                raise SGLangHTTPError(self.url, route, r.status, body.decode(errors="replace"))
-            if r.content_type == "application/json":
-                return _loads(body, self.url, route)
-            return await r.text()
+            # `gate` bounds how many bodies are read and parsed at once: the rest wait in socket
+            # buffers (aiohttp stops reading past its buffer limit), not in this process's memory.
+            async with gate if gate is not None else contextlib.nullcontext():
+                return await self._finish(r, route)
 
-    async def post(self, route: str, payload: dict | None = None, timeout: float | None = None):
-        return await self._request("POST", route, payload if payload is not None else {}, timeout)
+    async def _finish(self, r, route: str) -> Any:
+        body = await r.read()
+        if r.status != 200:
+            raise SGLangHTTPError(self.url, route, r.status, body.decode(errors="replace"))
+        if r.content_type == "application/json":
+            return _loads(body, self.url, route)
+        return await r.text()
+
+    async def post(self, route: str, payload: dict | None = None, timeout: float | None = None,
+                   gate: asyncio.Semaphore | None = None):
+        return await self._request("POST", route, payload if payload is not None else {}, timeout, gate)
 
     async def get(self, route: str, timeout: float | None = None):
         return await self._request("GET", route, None, timeout)
@@ -345,6 +367,7 @@ class RolloutClient:
         self._session: aiohttp.ClientSession | None = None
         self._aborted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
+        self._read_gate = asyncio.Semaphore(READ_SLOTS)
 
     # --- session ----------------------------------------------------------------------------
     @property
@@ -408,7 +431,8 @@ class RolloutClient:
     async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate") -> Any:
         api = self.server(url)
         try:
-            out = await api.post(route, payload, timeout=timeout)
+            out = await api.post(route, payload, timeout=timeout,
+                                 gate=self._read_gate if route == "/generate" else None)
         except SGLangHTTPError as e:
             if e.status >= 500:
                 raise _Retryable(f"HTTP {e.status}: {e.body[:200]}", server_down=True) from e

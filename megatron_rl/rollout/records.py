@@ -52,6 +52,7 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
+import orjson
 import pybase64
 import torch
 
@@ -202,7 +203,7 @@ def decode_routed_experts(b64: Any, num_rows: int, moe_topk: int, num_experts: i
     numpy, with no wider intermediate. Raises MalformedResponse naming `field`.
     """
     dtype = route_dtype(num_experts)
-    if not isinstance(b64, str):
+    if not isinstance(b64, (str, bytes)):
         raise MalformedResponse(field, f"expected a base64 string, got {type(b64).__name__}")
     try:
         raw = pybase64.b64decode(b64, validate=True)
@@ -266,6 +267,81 @@ def _locate_bad_entry(rows: Any, field: str, T: int, K: int | None, cause: BaseE
             if not 0 <= tok < 2 ** 31:
                 raise MalformedResponse(f"{path}[1]", f"token id {tok} is outside [0, 2^31)")
     raise MalformedResponse(field, f"could not be parsed ({cause!r})")
+
+
+class RawJSON(bytes):
+    """A JSON value the client left unparsed (`split_bulk_fields`): its raw bytes — a top-K array
+    (read straight into numpy by `_topk_from_raw`) or a base64 string's characters."""
+
+
+BULK_FIELDS = ("output_top_logprobs", "routed_experts")
+
+
+def split_bulk_fields(body: bytes) -> tuple[bytes, dict[str, RawJSON]]:
+    """Cut the two bulky values out of a /generate body before it is parsed: the top-K log-probs
+    (a million small JSON lists at 16k tokens × K = 20) and the routed experts (a base64 string of
+    tens of MB). Returns (the body with each replaced by null, their raw bytes). A key inside a
+    string value cannot match (its closing quote would be escaped); a value that is not in the
+    expected form is left in place, for the parser and its precise errors."""
+    raw: dict[str, RawJSON] = {}
+    spans = []
+    for name in BULK_FIELDS:
+        key = b'"' + name.encode() + b'":'
+        at = body.find(key)
+        if at < 0:
+            continue
+        start = at + len(key)
+        if name == "routed_experts":
+            if body[start:start + 1] != b'"':
+                continue
+            end = body.find(b'"', start + 1)
+            if end < 0:
+                continue
+            raw[name] = RawJSON(body[start + 1:end])
+            spans.append((start, end + 1))
+        else:
+            if body[start:start + 3] != b"[[[":
+                continue
+            end = body.find(b"]]]", start)
+            if end < 0:
+                continue
+            raw[name] = RawJSON(body[start:end + 3])
+            spans.append((start, end + 3))
+    if not spans:
+        return body, raw
+    parts, at = [], 0
+    for a, b in sorted(spans):
+        parts += [body[at:a], b"null"]
+        at = b
+    parts.append(body[at:])
+    return b"".join(parts), raw
+
+
+def _topk_from_raw(raw: bytes, T: int, K: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """[T] rows of K [logp, id, null] as raw JSON → (logp float32, ids int32), flat row-major, in
+    numpy; None when the text is not exactly that (the caller then parses it as JSON and reports
+    the precise fault)."""
+    if b'"' in raw or not raw.startswith(b"[[[") or not raw.endswith(b"]]]"):
+        return None  # text entries (strings) or another shape: the general path
+    rows = raw[2:-2].split(b"]],[[")
+    if len(rows) != T or any(r.count(b"],[") != K - 1 for r in rows):
+        return None
+    flat = raw.translate(None, b"[]")
+    if flat.count(b",null") != T * K:
+        return None
+    flat = flat.replace(b",null", b"")
+    try:
+        vals = np.fromstring(flat, dtype=np.float64, sep=",") if flat else np.zeros(0)
+    except ValueError:
+        return None
+    if vals.size != 2 * T * K:
+        return None
+    vals = vals.reshape(-1, 2)
+    logp, ids = vals[:, 0].astype(np.float32), vals[:, 1]
+    if ids.size and not (np.isfinite(logp).all() and (ids >= 0).all() and (ids < 2 ** 31).all()
+                         and (ids == np.floor(ids)).all()):
+        return None
+    return logp, ids.astype(np.int32)
 
 
 def _logprob_columns(rows: Any, field: str, T: int, K: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -366,7 +442,11 @@ def record_from_sglang(
         if "output_top_logprobs" not in meta:
             raise MalformedResponse("meta_info.output_top_logprobs",
                                     "missing (the request sets top_logprobs_num)")
-        lp, ids = _logprob_columns(meta["output_top_logprobs"], "meta_info.output_top_logprobs", T, top_k)
+        rows = meta["output_top_logprobs"]
+        fast = _topk_from_raw(rows, T, top_k) if isinstance(rows, RawJSON) else None
+        if fast is None and isinstance(rows, RawJSON):
+            rows = orjson.loads(bytes(rows))  # not in the expected form: parse it for the precise error
+        lp, ids = fast if fast is not None else _logprob_columns(rows, "meta_info.output_top_logprobs", T, top_k)
         ids, lp = ids.reshape(T, top_k), lp.reshape(T, top_k)
         _force_sampled_in_place(ids, lp, logp_ids, rollout_logp)  # fresh arrays: no copy needed
         topk_ids, topk_logp = torch.from_numpy(ids), torch.from_numpy(lp)

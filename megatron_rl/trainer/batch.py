@@ -477,10 +477,10 @@ def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_seque
                        multiple: int = 1, n_micro: Optional[int] = None) -> list[torch.Tensor]:
     """Cut sequences into micro-batches: lists of indices, each trimmed to its own longest.
 
-    `max_tokens` > 0: sequences sorted by length (longest first) fill micro-batches while
-    (sequences × padded longest) ≤ max_tokens — similar lengths share a micro-batch, so little is
-    padding; a sequence longer than the budget gets a micro-batch of its own. Otherwise
-    `max_sequences` per micro-batch in the given order. `n_micro` (≥ what the budget needs): split
+    `max_tokens` > 0: sequences sorted by length are cut into runs of neighbours, each within the
+    budget (sequences × padded longest ≤ max_tokens; a longer sequence runs alone), choosing the
+    cut that minimises padded slots plus a fixed cost per micro-batch (`_least_padding`).
+    Otherwise `max_sequences` per micro-batch in the given order. `n_micro` (≥ what the budget needs): split
     further — the largest micro-batches in halves — until there are that many (ranks that must run
     the same number of micro-batches, e.g. expert-parallel peers); empty ones are not made here.
     """
@@ -488,17 +488,7 @@ def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_seque
     if n == 0:
         return []
     if max_tokens > 0:
-        order = torch.argsort(seq_lens, descending=True, stable=True).tolist()
-        lens = seq_lens.tolist()
-        out, cur, cur_max = [], [], 0
-        for i in order:
-            m = max(cur_max, padded_len(lens[i], multiple))
-            if cur and m * (len(cur) + 1) > max_tokens:
-                out.append(cur)
-                cur, m = [], padded_len(lens[i], multiple)
-            cur.append(i)
-            cur_max = m
-        out.append(cur)
+        out = _least_padding(seq_lens, max_tokens, multiple)
     else:
         size = max_sequences or n
         out = [list(range(a, min(a + size, n))) for a in range(0, n, size)]
@@ -523,6 +513,39 @@ def empty_micro_batch(batch: RolloutBatch, S: int) -> dict[str, torch.Tensor]:
     for name, v in batch.seq.items():
         out[name] = torch.zeros(1, dtype=v.dtype)
     return out
+
+
+MICRO_BATCH_COST = 1 / 16
+"""A micro-batch's fixed cost (kernel launches, pipeline hand-offs), as a fraction of the token
+budget: two runs of sequences share a micro-batch only when that saves more padding than this."""
+
+
+def _least_padding(seq_lens: torch.Tensor, max_tokens: int, multiple: int) -> list[list[int]]:
+    """Dynamic programme over the sequences sorted longest first: best[j] = the least cost of
+    cutting the first j into micro-batches, a micro-batch [i, j) costing its padded slots
+    (padded length of sequence i × (j − i)) plus MICRO_BATCH_COST × max_tokens. O(n²) in numpy
+    (n = this rank's sequences of one mini-batch)."""
+    import numpy as np
+
+    order = torch.argsort(seq_lens, descending=True, stable=True).numpy()
+    lens = seq_lens.numpy()[order].astype(np.int64)
+    padded = -(-np.maximum(lens, 1) // multiple) * multiple
+    n = len(lens)
+    fixed = MICRO_BATCH_COST * max_tokens
+    best = np.zeros(n + 1)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        i = np.arange(j)
+        slots = padded[i] * (j - i)
+        cost = best[:j] + slots + fixed
+        cost[(slots > max_tokens) & (j - i > 1)] = np.inf
+        k = int(np.argmin(cost))
+        best[j], start[j] = cost[k], k
+    cuts, j = [], n
+    while j > 0:
+        cuts.append((int(start[j]), j))
+        j = int(start[j])
+    return [order[a:b].tolist() for a, b in reversed(cuts)]
 
 
 def padding_waste(seq_lens: torch.Tensor, micro_batches: Iterable[torch.Tensor], multiple: int = 1) -> tuple[int, int]:

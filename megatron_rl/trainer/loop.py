@@ -187,7 +187,7 @@ class Trainer:
         self.stop = StopRequest(ctx.device)
         self.history: list[dict] = []
         self._attempt = 0
-        self.signal = None
+        self.signal = self.eval_signal = None
         if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
             from megatron_rl.distributed.wait import LeaderSignal
 
@@ -584,10 +584,24 @@ class Trainer:
             self.step == self.cfg.trainer.steps or (e.every and self.step % e.every == 0))
 
     def evaluate(self) -> dict[str, float]:
+        """Rank 0 evaluates; the other ranks wait on the store (not in a collective), then get
+        the metrics."""
         out = [None]
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi and self.eval_signal is None:
+            from megatron_rl.distributed.wait import LeaderSignal
+
+            t = self.cfg.trainer
+            self.eval_signal = LeaderSignal("eval", timeout_s=t.rollout_wait_timeout,
+                                            log_every_s=t.rollout_wait_log_every,
+                                            timeout_name="trainer.rollout_wait_timeout")
+        key = f"step{self.step}"
         if self.ctx.rank == 0:
-            out = [self.rollouts.evaluate(self.eval_prompts, self.step)]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+            with self.eval_signal.leading(key) if multi else nullcontext():
+                out = [self.rollouts.evaluate(self.eval_prompts, self.step)]
+        elif multi:
+            self.eval_signal.wait(key)
+        if multi:
             dist.broadcast_object_list(out, src=0)
         return out[0]
 

@@ -34,6 +34,7 @@ from megatron_rl.rewards import get_reward
 from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
+from megatron_rl.rollout.memory import return_large_frees
 from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.trainer.prompts import Prompt
@@ -106,6 +107,7 @@ class Rollouts:
                                     request_timeout=r.request_timeout, moe_topk=moe_topk,
                                     num_experts=num_experts, max_inflight_per_server=r.max_inflight_per_server)
         self._loop = asyncio.new_event_loop()
+        return_large_frees()  # parsed bodies go back to the system (rollout/memory.py)
         # Rewards are scored in worker processes as responses arrive (a per-call timeout: a
         # pathological answer cannot hang the step).
         self.rewards = RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout)

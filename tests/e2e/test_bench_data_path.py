@@ -62,7 +62,7 @@ def test_payload_is_shaped_like_sglang():
     assert bench.dumps_json(real) == CAPTURED.read_bytes()
     for resp in (real, ours):
         rec = record_from_sglang(resp, prompt_ids=prompt, prompt_index=0, sample_index=0, temperature=1.0,
-                                 top_k=3, moe_topk=2)
+                                 top_k=3, moe_topk=2, num_experts=8)
         assert rec.routed_experts.shape == (6, 2, 2) and rec.prompt_routed_experts.shape == (8, 2, 2)
 
     # a long stopped sample at Table-1 widths: sorted distinct top-K rows holding the sampled token
@@ -73,7 +73,7 @@ def test_payload_is_shaped_like_sglang():
         rng=np.random.default_rng(1))))
     assert resp["meta_info"]["finish_reason"] == {"type": "stop", "matched": bench.EOS_ID}
     rec = record_from_sglang(resp, prompt_ids=prompt, prompt_index=3, sample_index=1, temperature=1.0,
-                             top_k=20, moe_topk=8)
+                             top_k=20, moe_topk=8, num_experts=128)
     assert rec.response_ids[-1] == bench.EOS_ID and rec.finish_reason == "stop"
     raw = np.array([[e[0] for e in row] for row in resp["meta_info"]["output_top_logprobs"]])
     assert (np.diff(raw, axis=1) <= 0).all()

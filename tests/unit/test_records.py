@@ -354,3 +354,27 @@ def test_request_timeout_derived_from_max_new_tokens(monkeypatch):
     out, client = _run(FakeSGLang(hold={(0, 1): slow_once}))
     assert len(calls) == 2 and [e.reason for e in client.retry_events] == ["no answer within 1s"]
     assert out[0][1].sample_index == 1
+
+
+def test_producer_returns_large_transient_buffers_to_the_system():
+    """After glibc's first large free, parsed bodies would stay resident (its dynamic mmap
+    threshold); `return_large_frees` (called by every producer) hands them back."""
+    import subprocess
+    import sys
+
+    script = r'''
+import sys
+from megatron_rl.rollout.memory import return_large_frees
+def rss(): return int(open("/proc/self/statm").read().split()[1]) * 4096
+if sys.argv[1] == "fixed":
+    assert return_large_frees()
+junk = bytearray(20 << 20); del junk
+base = rss()
+for i in range(20):
+    buf = bytearray(8 << 20); buf[::4096] = b"x" * len(buf[::4096]); del buf
+    small = [bytes(100) for _ in range(1000)]
+print((rss() - base) >> 20)
+'''
+    kept = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
+                                     check=True).stdout) for mode in ("dynamic", "fixed")}
+    assert kept["dynamic"] >= 8 and kept["fixed"] < 4, kept

@@ -73,7 +73,7 @@ def test_rollout_batch_fields_round_trip():
     g = torch.Generator().manual_seed(1)
     recs = [record(torch.randint(3, 90, (P,), generator=g).tolist(), torch.randint(3, 90, (T,), generator=g).tolist(),
                    torch.randn(T, generator=g).tolist(), i=i,
-                   routes=torch.randint(0, 200, (P + T - 1, 3, 2), generator=g, dtype=torch.int32))
+                   routes=torch.randint(0, 200, (P + T - 1, 3, 2), generator=g, dtype=torch.uint8))
             for i, (P, T) in enumerate([(4, 7), (2, 1), (6, 3), (3, 9)])]
     b = build(recs, [1.0, 0.0, 0.5, 1.0], with_routes=True, num_experts=200)
     adv = torch.randn(4, int(b.seq_lens.max()), generator=g)
