@@ -123,6 +123,13 @@ def validate(cfg: JobConfig) -> None:
     for name in ("rollout_wait_timeout", "rollout_wait_log_every"):
         if getattr(cfg.trainer, name) <= 0:
             raise ValueError(f"trainer.{name}={getattr(cfg.trainer, name)} must be > 0 (seconds)")
+    if cfg.data.reward_workers < 1 or cfg.data.reward_timeout <= 0:
+        raise ValueError(f"data.reward_workers={cfg.data.reward_workers} must be >= 1 and data.reward_timeout="
+                         f"{cfg.data.reward_timeout} > 0 (rewards are scored in worker processes, each call "
+                         "killed past the timeout)")
+    if r.max_inflight_per_server < 1 or (r.request_timeout is not None and r.request_timeout <= 0):
+        raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 1 and "
+                         f"rollout.request_timeout={r.request_timeout} null (derived from max_new_tokens) or > 0")
     if cfg.learner.max_tokens_per_micro_batch < 0:
         raise ValueError(f"learner.max_tokens_per_micro_batch={cfg.learner.max_tokens_per_micro_batch}; "
                          "valid: 0 (micro_batch_size sequences per micro-batch) or a positive token budget")

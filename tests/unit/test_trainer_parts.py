@@ -377,3 +377,17 @@ def test_padding_routes_spread_evenly_over_experts():
         assert all(len(set(row)) == k for row in r.tolist())  # k distinct experts per token
         load = torch.bincount(r.flatten(), minlength=E)
         assert int(load.max() - load.min()) <= 1, (n, k, E, load.tolist())
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.reward_workers=0", "data.reward_workers=0 must be >= 1"),
+    ("rollout.request_timeout=-1", r"rollout.request_timeout=-1.0 null \(derived from max_new_tokens\) or > 0"),
+    ("rollout.max_inflight_per_server=0", "rollout.max_inflight_per_server=0 must be >= 1"),
+    ("learner.max_tokens_per_micro_batch=-5", "learner.max_tokens_per_micro_batch=-5; valid: 0"),
+    ("trainer.rollout_wait_timeout=0", "trainer.rollout_wait_timeout=0.0 must be > 0"),
+])
+def test_data_path_settings_are_checked(override, message):
+    from megatron_rl.trainer.loop import validate
+
+    with pytest.raises(ValueError, match=message):
+        validate(to_object(load_config("tiny_cpu", [override])))
