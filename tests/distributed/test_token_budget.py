@@ -38,8 +38,7 @@ def make_batch(moe: bool, num_experts: int = 4, layers: int = 2, k: int = 2):
                 prompt_index=p, sample_index=s, prompt_ids=prompt,
                 response_ids=torch.randint(3, 99, (T,), generator=g),
                 rollout_logp=-torch.rand(T, generator=g) * 5, topk_ids=None, topk_logp=None,
-                routed_experts=routes[len(prompt) - 1:].int() if moe else None,
-                prompt_routed_experts=routes[:len(prompt) - 1].int() if moe else None,
+                routes=routes.to(torch.uint8) if moe else None,
                 finish_reason="stop", weight_version="0", temperature=1.0))
             rewards.append(float(s % 2))
             gids.append(p)
