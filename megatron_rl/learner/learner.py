@@ -36,7 +36,9 @@ from megatron_rl.config.schema import JobConfig
 from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
-from megatron_rl.trainer.batch import RolloutBatch, empty_micro_batch, padded_len, plan_micro_batches
+from megatron_rl.trainer.batch import (
+    RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype,
+)
 from megatron_rl.models.bridge import (
     build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
 )
@@ -353,7 +355,8 @@ class Learner:
         that temperature).
 
         `routing="replay"` replays `batch["routed_experts"]`; `routing="record"` (R2) also
-        returns the routes the model chose, [B, S, L, k] int64 (-1 on padding), on every rank.
+        returns the routes the model chose: [B, S, L, k] int64 (-1 on padding) on every rank for a global
+        batch dict; this rank's compact routes (`_recorded_local_routes`) for a RolloutBatch.
         """
         for m in self.model:
             m.eval()
@@ -391,12 +394,20 @@ class Learner:
 
     def _recorded_local_routes(self, b: int, S: int) -> torch.Tensor:
         """R2: the routes this rank's model-parallel group recorded for its own sequences,
-        [b, S, L, k] int64 (−1 where none) on the host, in batch order."""
+        [b, S, L, k] compact (`trainer.batch.route_dtype`: uint8 with 255 where none, while the
+        model has ≤ 254 experts) on the host, in batch order. Ranks combine expert id + 1 (0 = not
+        theirs) with one MAX all-reduce of that compact buffer (NCCL has no int16: int32 past 254)."""
+        E = self.config.num_moe_experts
+        wire = torch.uint8 if E <= 254 else torch.int32
         order = torch.cat(self._plan) if self._plan else torch.zeros(0, dtype=torch.int64)
-        local = self.router_replay.recorded_routes(b, S, self.config.moe_router_topk, order=order)
-        local = local.to(self.ctx.device)
+        local = self.router_replay.recorded_routes(b, S, self.config.moe_router_topk, order=order,
+                                                   shifted_dtype=wire).to(self.ctx.device)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.ctx.mp_group)
-        return local.cpu()
+        local = local.cpu()
+        dtype = route_dtype(E)
+        if wire == torch.uint8:  # id + 1 → id, and 0 (none) → 255 by uint8 wrap-around
+            return local.sub_(1)
+        return torch.where(local == 0, no_route(dtype), local - 1).to(dtype)
 
     def _gather_recorded_routes(self, B_local: int, S: int) -> torch.Tensor:
         """Combine the routes each rank recorded (its layers, its sequence chunk) for the batch."""

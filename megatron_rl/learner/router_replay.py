@@ -196,15 +196,19 @@ class RouterReplayController:
         trainer's own router would have picked (this rank's tokens; combine with all-reduce)."""
         return (self.agreement[0] / self.agreement[1].clamp(min=1)).tolist()
 
-    def recorded_routes(self, b_local: int, S: int, k: int, order: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def recorded_routes(self, b_local: int, S: int, k: int, order: Optional[torch.Tensor] = None,
+                        shifted_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """After a `record` phase: this rank's routes as [b_local, S, L, k] (-1 where not local).
 
         Each pipeline rank fills its own layers and each TP rank (under SP) its sequence chunk;
-        the caller combines ranks with a MAX all-reduce over the model-parallel group. `order`:
+        the caller combines ranks with a MAX all-reduce over the model-parallel group.
+        `shifted_dtype` (e.g. uint8): store expert id + 1 in that dtype, 0 where not local — a
+        compact buffer for the same MAX all-reduce. `order`:
         the batch row of each micro-batch row, in run order (token-budget micro-batches); empty
         micro-batches (beyond `order`) are skipped.
         """
-        out = torch.full((b_local, S, self.num_moe_layers, k), -1, dtype=torch.long)
+        shift = 1 if shifted_dtype is not None else 0
+        out = torch.full((b_local, S, self.num_moe_layers, k), shift - 1, dtype=shifted_dtype or torch.long)
         for mbs in self.recorded:  # one list per virtual chunk, micro-batches in order
             row = 0
             for b, S_pad, per_layer in mbs:
@@ -217,6 +221,6 @@ class RouterReplayController:
                     block = idx.view(S_local, b, k).transpose(0, 1).cpu()
                     stop = min(start + S_local, S)
                     if stop > start:
-                        out[rows, start:stop, moe_index] = block[:, : stop - start]
+                        out[rows, start:stop, moe_index] = (block[:, : stop - start] + shift).to(out.dtype)
                 row += b
         return out

@@ -40,32 +40,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.collectives import all_gather_varlen
-from megatron_rl.rollout.records import RolloutRecord
+from megatron_rl.rollout.records import NO_ROUTE_U8, RolloutRecord, no_route, route_dtype  # noqa: F401
 
 RESPONSE_ROWS = ("topk_ids", "topk_logp")
 """Token fields stored for response rows only (from input position P−1)."""
-
-NO_ROUTE_U8 = 255
-"""uint8 routes: the 'no route' value (expert ids are 0..254 when routes are uint8)."""
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    return torch.uint8 if num_experts <= NO_ROUTE_U8 else torch.int16
-
-
-def no_route(dtype: torch.dtype) -> int:
-    return NO_ROUTE_U8 if dtype == torch.uint8 else -1
-
-
-def compact_routes(routes: torch.Tensor, num_experts: Optional[int] = None) -> torch.Tensor:
-    """Routes as uint8 (≤ 255 experts) or int16; wider integer inputs are range-checked."""
-    if routes.dtype in (torch.uint8, torch.int16):
-        return routes
-    top = int(routes.max()) + 1 if routes.numel() else 0
-    E = max(num_experts or 0, top)
-    if routes.numel() and int(routes.min()) < 0:
-        raise ValueError(f"routed experts hold a negative expert id ({int(routes.min())})")
-    return routes.to(route_dtype(E))
 
 
 @dataclasses.dataclass
@@ -120,7 +98,7 @@ class RolloutBatch:
                 tok["topk_ids"].append(r.topk_ids.to(torch.int32))
                 tok["topk_logp"].append(r.topk_logp.float())
             if with_routes:
-                tok["routed_experts"].append(compact_routes(r.sequence_routed_experts(), num_experts))
+                tok["routed_experts"].append(r.routes)  # compact already (records.py)
         spec = {"input_ids": (torch.int32, ()), "loss_mask": (torch.float32, ()),
                 "rollout_logp": (torch.float32, ())}
         if with_topk:

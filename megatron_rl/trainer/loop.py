@@ -513,9 +513,7 @@ class Trainer:
             return {}
         T = self.cfg.rollout.temperature
         if a.router_replay == "r2":
-            old, routes = self.learner.forward_logprobs(batch, routing="record", temperature=T)
-            dtype = batching.route_dtype(self.learner.config.num_moe_experts)
-            batch["routed_experts"] = torch.where(routes < 0, batching.no_route(dtype), routes).to(dtype)
+            old, batch["routed_experts"] = self.learner.forward_logprobs(batch, routing="record", temperature=T)
         else:
             routing = "replay" if a.router_replay == "r3" else None
             old = self.learner.forward_logprobs(batch, routing=routing, temperature=T)
