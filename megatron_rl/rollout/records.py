@@ -52,8 +52,6 @@ from operator import itemgetter
 from typing import Any
 
 import numpy as np
-import orjson
-import pybase64
 import torch
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -206,6 +204,8 @@ def decode_routed_experts(b64: Any, num_rows: int, moe_topk: int, num_experts: i
     if not isinstance(b64, (str, bytes)):
         raise MalformedResponse(field, f"expected a base64 string, got {type(b64).__name__}")
     try:
+        import pybase64  # parsing only: train_only runs (and the GPU suite's image) need none
+
         raw = pybase64.b64decode(b64, validate=True)
     except ValueError as e:  # binascii.Error is a ValueError
         raise MalformedResponse(field, f"is not valid base64 ({e})") from None
@@ -445,6 +445,8 @@ def record_from_sglang(
         rows = meta["output_top_logprobs"]
         fast = _topk_from_raw(rows, T, top_k) if isinstance(rows, RawJSON) else None
         if fast is None and isinstance(rows, RawJSON):
+            import orjson  # parsing only, as pybase64 above
+
             rows = orjson.loads(bytes(rows))  # not in the expected form: parse it for the precise error
         lp, ids = fast if fast is not None else _logprob_columns(rows, "meta_info.output_top_logprobs", T, top_k)
         ids, lp = ids.reshape(T, top_k), lp.reshape(T, top_k)
