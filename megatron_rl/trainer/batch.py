@@ -18,9 +18,10 @@ Storage is compact and per sequence (no padding until a micro-batch is formed):
                topk_logp      fp32  [T, K]
                routed_experts uint8 [P+T−1, L, k] (int16 past 255 experts): the route of input
                               position s; the last position (never fed to the engine) has none
-               and whatever the loop adds (old_logp, ref_logp, advantages, ...) as [P+T] rows.
-Alignment is trainer/batch.py's of old and records.py's: input position s predicts
-`labels[s] = input_ids[s+1]`, so response token t is predicted at position P−1+t.
+               and whatever the loop adds (old_logp, ref_logp, advantages, R2's recorded routes,
+               ...) as [P+T] rows.
+Alignment (records.py's): input position s predicts `labels[s] = input_ids[s+1]`, so response
+token t is predicted at position P−1+t.
 
 `batch[name]` gives the learner's padded layout [b, S_max, ...] (S_max = this batch's longest
 sequence; `labels` is derived; fill: pad_id for ids, −1 for top-K ids, `no_route` for routes, 0
@@ -114,10 +115,6 @@ class RolloutBatch:
         if with_topk:
             check_distinct_topk(batch, records)
         return batch
-
-    @classmethod
-    def empty_like(cls, other: "RolloutBatch") -> "RolloutBatch":
-        return other.select(torch.zeros(0, dtype=torch.int64))
 
     # ------------------------------------------------------------------------------------------
     # views
