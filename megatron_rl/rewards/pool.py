@@ -20,8 +20,9 @@ process that dies mid-call) is a bug or a crash, not a property of the answer, s
 stays usable. Unknown reward names fail in the constructor with the valid ones.
 
 Workers are started with `spawn` (safe with torch and CUDA in the parent, unlike fork), resolve the
-reward by name themselves (they import the module that registered it), ignore SIGINT (the parent
-decides shutdown) and die with the pool's dispatcher thread (Linux PR_SET_PDEATHSIG), so a hung
+reward by name themselves (they import the module that registered it), ignore SIGINT, SIGTERM,
+SIGUSR1 and SIGUSR2 (a launcher signals every process of the job; the trainer decides shutdown
+and finishes its step first) and die with the pool's dispatcher thread (Linux PR_SET_PDEATHSIG), so a hung
 call never outlives a killed trainer. As with any spawn start, a worker re-imports the parent's
 main module: a script that makes a pool must guard its entry point (`if __name__ == "__main__"`).
 There is no in-process mode: an inline call cannot be killed, so it could not honour the timeout.
@@ -96,8 +97,15 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+_IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals a launcher sends to every process of a job (Ctrl-C; Slurm's preemption SIGTERM and
+`--signal` USR1/USR2 reach the whole step): the trainer catches them, finishes its step — whose
+rewards these workers score — and checkpoints; the workers die with it (PR_SET_PDEATHSIG)."""
+
+
 def _worker_main(conn: Connection, reward: str, module: Optional[str], parent_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in _IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     try:
         # The module that registered the reward (a user's or a test's); the built-ins load by name.

@@ -245,3 +245,22 @@ def test_worker_stuck_in_a_call_dies_with_a_killed_trainer():
         trainer.kill()
         trainer.wait()
         trainer.stdout.close()
+
+
+def test_workers_survive_the_signals_a_launcher_sends_the_whole_job(pool):
+    """Slurm signals every process of a step (USR1 before the time limit, TERM on preemption) and
+    a terminal sends INT to the foreground group: the trainer finishes its step on them, so the
+    workers scoring that step's rewards must live on."""
+    import signal as sig
+
+    for i in range(4):
+        pool.submit(("who", i), "PID", "")
+    pids = {int(v) for v in collect(pool, [("who", i) for i in range(4)]).scores.values()}
+    replaced = pool.replaced
+    pool.submit("slow", "SLEEP1.5", "")
+    time.sleep(0.3)  # the call is running in a worker
+    for pid in pids:
+        for s in (sig.SIGUSR1, sig.SIGTERM, sig.SIGINT, sig.SIGUSR2):
+            os.kill(pid, s)
+    got = collect(pool, ["slow"])
+    assert got.scores["slow"] == 1.0 and got.timed_out == [] and pool.replaced == replaced
