@@ -38,6 +38,7 @@ from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
 from megatron_rl.trainer.batch import (
     RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype,
+    split_micro_batches,
 )
 from megatron_rl.models.bridge import (
     build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
@@ -198,9 +199,7 @@ class Learner:
             n = torch.tensor([len(plan)], dtype=torch.int64, device=self.ctx.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)
             n = int(n)
-            if n > len(plan):
-                plan = plan_micro_batches(lens, max_tokens=lc.max_tokens_per_micro_batch,
-                                          max_sequences=lc.micro_batch_size, multiple=mult, n_micro=n)
+            plan = split_micro_batches(plan, n)
             plan += [None] * (n - len(plan))
         self._plan = [p for p in plan if p is not None]
         device = self.ctx.device

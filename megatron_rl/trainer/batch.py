@@ -467,14 +467,21 @@ def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_seque
     else:
         size = max_sequences or n
         out = [list(range(a, min(a + size, n))) for a in range(0, n, size)]
-    if n_micro is not None:
-        while len(out) < n_micro:
-            j = max(range(len(out)), key=lambda k: (len(out[k]), -k))
-            if len(out[j]) < 2:
-                break
-            half = len(out[j]) // 2
-            out[j:j + 1] = [out[j][:half], out[j][half:]]
-    return [torch.tensor(mb, dtype=torch.int64) for mb in out]
+    out = [torch.tensor(mb, dtype=torch.int64) for mb in out]
+    return split_micro_batches(out, n_micro) if n_micro is not None else out
+
+
+def split_micro_batches(plan: list[torch.Tensor], n_micro: int) -> list[torch.Tensor]:
+    """Halve the largest micro-batches (by sequences) until there are `n_micro`, or every one holds
+    a single sequence."""
+    out = list(plan)
+    while len(out) < n_micro:
+        j = max(range(len(out)), key=lambda k: (out[k].numel(), -k))
+        if out[j].numel() < 2:
+            break
+        half = out[j].numel() // 2
+        out[j:j + 1] = [out[j][:half], out[j][half:]]
+    return out
 
 
 def empty_micro_batch(batch: RolloutBatch, S: int) -> dict[str, torch.Tensor]:

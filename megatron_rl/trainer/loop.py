@@ -435,24 +435,19 @@ class Trainer:
                                 f"{batch['group_ids'][~torch.isfinite(scores)].tolist()}")
         batch["rm_scores"] = scores
         # Batch normalisation and the metrics see every rank's sequences (two small all-gathers).
-        rule, lo = self._gather_seq(batch["rewards"]), self._seq_offset(len(batch))
-        every = self._gather_seq(scores)
+        (rule, lo), (every, _) = self._gather_seq(batch["rewards"]), self._gather_seq(scores)
         rewards, metrics = combine_rewards(rule, every, weight=rm.weight, rule_weight=rm.rule_weight,
                                            normalize=rm.normalize, clip=rm.clip)
         batch["rewards"] = rewards[lo:lo + len(batch)]
         return metrics
 
-    def _gather_seq(self, x: torch.Tensor) -> torch.Tensor:
-        """A per-sequence tensor of every data-parallel rank, concatenated in rank order."""
+    def _gather_seq(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A per-sequence tensor of every data-parallel rank, concatenated in rank order, and where
+        this rank's part starts in it."""
         if self.ctx.dp == 1:
-            return x
-        return torch.cat(all_gather_varlen(x, self.ctx.dp_group, self.ctx.device))
-
-    def _seq_offset(self, n: int) -> int:
-        if self.ctx.dp == 1:
-            return 0
-        sizes = all_gather_varlen(torch.tensor([n]), self.ctx.dp_group, self.ctx.device)
-        return int(sum(int(x) for x in sizes[:self.ctx.dp_rank]))
+            return x, 0
+        parts = all_gather_varlen(x, self.ctx.dp_group, self.ctx.device)
+        return torch.cat(parts), sum(p.numel() for p in parts[:self.ctx.dp_rank])
 
     def _mean(self, total: float, count: float) -> float:
         """A mean over every data-parallel rank's sequences from this rank's (sum, count)."""
