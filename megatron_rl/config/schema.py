@@ -120,9 +120,10 @@ class DataConfig:
     messages_field: Optional[str] = "prompt"  # row field holding the chat messages
     text_field: Optional[str] = None  # or: a row field holding the plain prompt text
     answer_field: Optional[str] = "reward_model.ground_truth"  # row field holding the ground truth; null = none (reward model only)
-    reward: str = "synthetic"  # reward function (rewards/): synthetic | math | none (0: a learned reward model scores)
+    reward: str = "synthetic"  # reward function: synthetic | math | none (0: a learned reward model scores) | my_pkg.my_module:my_fn | path/to/file.py:my_fn
     reward_workers: int = 2  # processes scoring rewards while responses arrive (rewards/pool.py); >= 1
     reward_timeout: float = 10.0  # seconds per reward call; a call past it is killed, scores 0 and counts in reward/timeouts
+    reward_on_error: str = "fail"  # a reward function that raises: fail (stop, naming the sample) | zero (score 0, counted in reward/errors)
     shuffle_seed: int = 0  # prompt order seed (reshuffled every epoch)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
@@ -146,6 +147,7 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature (log-probs use logits / temperature)
     top_p: float = 1.0  # nucleus sampling
     max_new_tokens: int = 16  # response budget
+    generate: Optional[str] = None  # a user's episode function (multi-turn, tools): my_pkg.my_module:my_fn | path/to/file.py:my_fn; null = one sampled response per sample
     top_k_logprobs: int = 0  # rollout top-K log-probs per token (20 for top-K divergences)
     seeded: bool = True  # per-sample sampling seeds derived from trainer.seed and the step (servers need --enable-deterministic-inference)
     dynamic_sampling: bool = False  # DAPO: drop all-equal-reward groups and generate more

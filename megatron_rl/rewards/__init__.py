@@ -1,12 +1,15 @@
-"""Reward functions by name: `get_reward(name)(response_text, ground_truth) -> float`.
+"""Reward functions by name or import path: `get_reward(spec)(response_text, ground_truth) -> float`.
 
-Rules are pure functions of the decoded response and the ground truth; unknown names raise with
-the list of valid ones. `reward_for_source` picks the function from a row's `data_source`.
+Rules are pure functions of the decoded response and the ground truth. A spec is a built-in name
+(registered below; unknown names raise with the list of valid ones) or a user's function by
+import path, `my_pkg.my_module:my_fn` or `path/to/file.py:my_fn` (megatron_rl/plugins.py).
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+from megatron_rl.plugins import is_import_path, load_object
 
 RewardFn = Callable[[str, str], float]
 _REGISTRY: dict[str, RewardFn] = {}
@@ -22,12 +25,15 @@ def register_reward(name: str):
     return deco
 
 
-def get_reward(name: str) -> RewardFn:
+def get_reward(name: str, key: str = "data.reward") -> RewardFn:
+    if is_import_path(name):
+        return load_object(name, key)
     _load_builtin()
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown reward {name!r}; valid rewards: {', '.join(sorted(_REGISTRY))}") from None
+        raise ValueError(f"{key}: unknown reward {name!r}; valid: {', '.join(sorted(_REGISTRY))}, or a "
+                         "function by import path (my_pkg.my_module:my_fn or path/to/file.py:my_fn)") from None
 
 
 def reward_names() -> list[str]:
