@@ -56,6 +56,7 @@ could not honour the timeout.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ctypes
 import importlib
 import inspect
@@ -326,6 +327,11 @@ class RewardPool:
         self._wake_w.setblocking(False)
         self._thread = threading.Thread(target=self._dispatch, name="reward-pool", daemon=True)
         self._thread.start()
+        # An owner that leaves on an exception may not close the pool; at interpreter exit
+        # multiprocessing SIGTERMs its daemonic children and joins them — these ignore SIGTERM,
+        # so exit would wait forever. Closing first (atexit runs this before multiprocessing's
+        # handler, registered at its import) kills them.
+        atexit.register(self.close)
 
     # -- caller side ------------------------------------------------------------------------------
     def submit(self, key: Hashable, text: str, answer: Any) -> None:
@@ -404,6 +410,7 @@ class RewardPool:
             return True
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         with self._cond:
             if self._closed:
                 return

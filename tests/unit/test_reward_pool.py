@@ -252,6 +252,18 @@ def test_worker_stuck_in_a_call_dies_with_a_killed_trainer():
         trainer.stdout.close()
 
 
+def test_a_trainer_that_leaves_on_an_error_without_close_exits():
+    """multiprocessing SIGTERMs and joins daemonic children at exit; the workers ignore SIGTERM, so
+    an unclosed pool (a trainer leaving on RewardError) must be closed before that or exit hangs."""
+    script = ("from megatron_rl.rewards.pool import RewardPool\n"
+              "if __name__ == '__main__':\n"
+              "    p = RewardPool('synthetic', workers=2, timeout=5.0)\n"
+              "    p.submit(0, 'PID', ''); p.collect([0]); assert p.wait_ready(60)\n"
+              "    raise SystemExit('left without close()')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "left without close()" in out.stderr, out.stderr[-2000:]
+
+
 def test_workers_survive_the_signals_a_launcher_sends_the_whole_job(pool):
     """Slurm signals every process of a step (USR1 before the time limit, TERM on preemption) and
     a terminal sends INT to the foreground group: the trainer finishes its step on them, so the
