@@ -3,16 +3,26 @@
 Rules are pure functions of the decoded response and the ground truth. A spec is a built-in name
 (registered below; unknown names raise with the list of valid ones) or a user's function by
 import path, `my_pkg.my_module:my_fn` or `path/to/file.py:my_fn` (megatron_rl/plugins.py).
+
+A function is per-sample, `fn(response, answer) -> float`, or batched, `fn(responses, answers) ->
+list[float]` (marked with `@batched`, or `fn.batched = True` in a module that does not import
+this package); either may be `async def`. `reward_kind` reads the marks; rewards/pool.py calls
+the function accordingly in its worker processes.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from megatron_rl.plugins import is_import_path, load_object
 
 RewardFn = Callable[[str, str], float]
 _REGISTRY: dict[str, RewardFn] = {}
+
+DEFAULT_MAX_BATCH = 64
+"""Calls one worker takes at once for a batched or async function without its own max_batch_size."""
 
 
 def register_reward(name: str):
@@ -23,6 +33,47 @@ def register_reward(name: str):
         return fn
 
     return deco
+
+
+def batched(fn: Optional[Callable] = None, *, max_size: Optional[int] = None):
+    """Mark a reward function as batched: `fn(responses: list[str], answers: list) -> list[float]`
+    (one score per response, in order). `@batched` or `@batched(max_size=16)` (the most responses
+    one call receives; default DEFAULT_MAX_BATCH). Sets `fn.batched = True` (and
+    `fn.max_batch_size`), which a user's module may also set by hand."""
+
+    def mark(f: Callable) -> Callable:
+        f.batched = True
+        if max_size is not None:
+            f.max_batch_size = max_size
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+@dataclass(frozen=True)
+class RewardKind:
+    """How the pool calls a reward function. `max_batch`: the calls one worker takes at once —
+    1 for a sync per-sample function; a batched function's batch, or the calls an async
+    per-sample function awaits concurrently."""
+
+    batched: bool
+    is_async: bool
+    max_batch: int
+
+
+def reward_kind(fn: Callable, spec: str, key: str = "data.reward") -> RewardKind:
+    """The marks on a reward function, checked (a bad mark names the spec and the attribute)."""
+    mark = getattr(fn, "batched", False)
+    if mark not in (True, False):
+        raise ValueError(f"{key}={spec!r}: {getattr(fn, '__name__', fn)}.batched={mark!r}; set it to True "
+                         "(the function takes lists of responses and answers) or leave it unset")
+    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    cap = getattr(fn, "max_batch_size", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ValueError(f"{key}={spec!r}: max_batch_size={cap!r}; need an integer >= 1")
+    if not (mark or is_async):
+        return RewardKind(False, False, 1)  # a sync call blocks its worker: one at a time
+    return RewardKind(bool(mark), is_async, cap or DEFAULT_MAX_BATCH)
 
 
 def get_reward(name: str, key: str = "data.reward") -> RewardFn:

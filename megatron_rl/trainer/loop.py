@@ -127,6 +127,14 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError(f"data.reward_workers={cfg.data.reward_workers} must be >= 1 and data.reward_timeout="
                          f"{cfg.data.reward_timeout} > 0 (rewards are scored in worker processes, each call "
                          "killed past the timeout)")
+    from megatron_rl.rewards import get_reward, reward_kind
+    from megatron_rl.rewards.pool import ON_ERROR
+
+    if cfg.data.reward_on_error not in ON_ERROR:
+        raise ValueError(f"data.reward_on_error={cfg.data.reward_on_error!r}; valid: {', '.join(ON_ERROR)}")
+    # The reward resolves here, in the parent, with plugins' error (a missing module or function),
+    # before any reward worker starts.
+    reward_kind(get_reward(cfg.data.reward), cfg.data.reward)
     if r.max_inflight_per_server < 1 or (r.request_timeout is not None and r.request_timeout <= 0):
         raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 1 and "
                          f"rollout.request_timeout={r.request_timeout} null (derived from max_new_tokens) or > 0")

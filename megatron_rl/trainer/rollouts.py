@@ -110,7 +110,8 @@ class Rollouts:
         return_large_frees()  # parsed bodies go back to the system (rollout/memory.py)
         # Rewards are scored in worker processes as responses arrive (a per-call timeout: a
         # pathological answer cannot hang the step).
-        self.rewards = RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout)
+        self.rewards = RewardPool(cfg.data.reward, cfg.data.reward_workers, cfg.data.reward_timeout,
+                                  on_error=cfg.data.reward_on_error)
         self._calls = itertools.count()
 
     def _local_server_gpus(self) -> Optional[list[list[str]]]:
@@ -197,7 +198,7 @@ class Rollouts:
         order: list[tuple[int, int]] = []  # (round, prompt) of every kept group, in batch order
         spare: list[tuple[int, int]] = []
         mine: dict[tuple[int, int], tuple[list[RolloutRecord], list[float]]] = {}
-        rounds, timeouts, reward_wait = 0, 0, 0.0
+        rounds, timeouts, errors, reward_wait = 0, 0, 0, 0.0
         start = time.perf_counter()
         retries0 = len(self.client.retry_events)
         top_k = r.top_k_logprobs if a.divergence in TOPK_DIVERGENCES else 0
@@ -209,6 +210,7 @@ class Rollouts:
                 self.sampling(step, r.temperature, r.max_new_tokens, r.top_p, salt=rounds),
                 top_k=top_k, routes=a.router_replay == "r3", first_index=js)
             timeouts += scored["reward/timeouts"]
+            errors += scored["reward/errors"]  # scored 0 (data.reward_on_error=zero)
             reward_wait += scored["time/reward_wait"]
             informative = torch.zeros(len(prompts), dtype=torch.int64)
             for j, g, rw in zip(js, groups, rewards):
@@ -235,7 +237,7 @@ class Rollouts:
             sum(len(set(mine[k][1])) > 1 for k in order if k in mine), len([k for k in order if k in mine]),
             float(sum(rec.num_response_tokens for rec in records)),
             float(sum(rec.finish_reason == "length" for rec in records)),
-            float(len(self.client.retry_events) - retries0), float(timeouts)], dtype=torch.float64)
+            float(len(self.client.retry_events) - retries0), float(timeouts), float(errors)], dtype=torch.float64)
         return records, rewards, gids, {"_sums": sums, "rollout/generation_rounds": float(rounds),
                                          "time/generate_only": time.perf_counter() - start,
                                          "time/reward_wait": reward_wait}
@@ -243,12 +245,12 @@ class Rollouts:
     @staticmethod
     def finish_metrics(sums: torch.Tensor) -> dict[str, float]:
         """The step's rollout metrics from the producers' summed `_sums`."""
-        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts = sums.tolist()
+        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts, errors = sums.tolist()
         n, n_groups = max(n, 1.0), max(n_groups, 1.0)
         return {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
                 "rollout/informative_groups": informative / n_groups,
                 "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
-                "rollout/retries": retries, "reward/timeouts": timeouts}
+                "rollout/retries": retries, "reward/timeouts": timeouts, "reward/errors": errors}
 
     def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
         """Rank 0: mean@k and pass@k on held-out prompts."""
