@@ -2,16 +2,19 @@
 
 The checkpoints are real runs of the supervised path (`lm_demo.run`, the body of `train-lm`, which
 writes config.yaml and the trainer's checkpoint) on two gloo processes: dense Qwen3 at TP2
-(sequence parallel) and Qwen3-MoE at EP2, each once with lr 0 and once trained (lr > 0, 2 steps).
-The export runs as the CLI, in one process (world size 1, not the training's 2).
+(sequence parallel, a vocabulary padded for TP2) and Qwen3-MoE at EP2, each once with lr 0 and once
+trained (lr > 0, 2 steps), and a trained dense run at PP2 x VPP2. The export runs as the CLI in one
+process (world size 1, not the training's 2), and once under torchrun at another layout (TP2).
 
 References, independent of the export path:
 - lr 0: every tensor of the export equals the initial HF checkpoint's, bit for bit;
 - trained: the learner's own logits at the training layout (a fresh Learner resumed from the
-  checkpoint with the trainer's `load_checkpoint`, TP2 / EP2) equal transformers' on the export;
+  checkpoint with the trainer's `load_checkpoint`) equal transformers' on the export;
 - eval: `megatron-rl eval RUN_DIR` (export of the newest checkpoint, a local SGLang server started
-  by the command, greedy samples, a reward by import path) reports the mean@k / pass@k of
-  transformers' own greedy continuations of the same prompts under the same reward.
+  by the command, greedy samples, a reward by import path) and `megatron-rl eval HF_FOLDER` on a
+  running server (`rollout.server_urls`, started on the initial weights and told to load the
+  export) report the mean@k / pass@k of transformers' own greedy continuations of the same prompts
+  under the same reward.
 """
 
 from __future__ import annotations
