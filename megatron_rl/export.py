@@ -151,7 +151,7 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: Optional[i
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_rl.distributed.context import init_distributed
-    from megatron_rl.models.bridge import build_model_chunks, make_bridge, save_hf_checkpoint
+    from megatron_rl.models.bridge import build_model_chunks, make_bridge, resolve_dtype, save_hf_checkpoint
     from megatron_rl.trainer.checkpoint import load_model_weights
 
     start = time.perf_counter()
@@ -161,7 +161,15 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: Optional[i
     model_parallel_cuda_manual_seed(cfg.model.seed)
     bridge = make_bridge(hf_path, cfg.model, ctx)
     chunks = build_model_chunks(bridge, ctx)
+    dtype = resolve_dtype(cfg.model.dtype)
+    if dtype != torch.float32:
+        # As the learner holds them (learner.py): every parameter in bfloat16, norms included
+        # (the provider builds those in float32).
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(c.config, c) for c in chunks]
     load_model_weights(chunks, checkpoint)
+    bridge.hf_config.dtype = dtype  # config.json names the dtype of the weights beside it
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     if ctx.rank == 0:

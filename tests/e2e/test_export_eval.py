@@ -3,11 +3,12 @@
 The checkpoints are real runs of the supervised path (`lm_demo.run`, the body of `train-lm`, which
 writes config.yaml and the trainer's checkpoint) on two gloo processes: dense Qwen3 at TP2
 (sequence parallel, a vocabulary padded for TP2) and Qwen3-MoE at EP2, each once with lr 0 and once
-trained (lr > 0, 2 steps), and a trained dense run at PP2 x VPP2. The export runs as the CLI in one
+trained (lr > 0, 2 steps), a trained dense run at PP2 x VPP2 and a bfloat16 one at TP2 (lr 0). The export runs as the CLI in one
 process (world size 1, not the training's 2), and once under torchrun at another layout (TP2).
 
 References, independent of the export path:
-- lr 0: every tensor of the export equals the initial HF checkpoint's, bit for bit;
+- lr 0: every tensor of the export equals the initial HF checkpoint's, bit for bit (rounded to
+  bfloat16 for a bfloat16 run: Megatron holds the weights so);
 - trained: the learner's own logits at the training layout (a fresh Learner resumed from the
   checkpoint with the trainer's `load_checkpoint`) equal transformers' on the export;
 - eval: `megatron-rl eval RUN_DIR` (export of the newest checkpoint, a local SGLang server started
@@ -42,6 +43,8 @@ LAYOUTS = {
     "dense_tp2": (dict(vocab_size=128), {"tp": 2}, ("lr0", "trained")),
     "moe_ep2": (dict(moe=True), {"ep": 2}, ("lr0", "trained")),
     "dense_pp2_vpp2": (dict(num_layers=4), {"pp": 2, "vpp": 2}, ("trained",)),
+    # A bfloat16 run (a GPU run's dtype): the export keeps bfloat16, norms included.
+    "dense_tp2_bf16": (dict(vocab_size=128, dtype="bfloat16"), {"tp": 2}, ("lr0",)),
 }
 # lr, steps. 2 steps at 1e-3 move the logits by ~0.4 and change some greedy answers; at 1e-2
 # every answer is already the end-of-turn token, which no reward could tell apart.
@@ -60,7 +63,7 @@ def _job(run_dir: Path, tiny: dict, parallel: dict, lr: float, steps: int):
 
     cfg = JobConfig(name=run_dir.name)
     for k, v in tiny.items():
-        setattr(cfg.model.tiny, k, v)
+        setattr(cfg.model if k == "dtype" else cfg.model.tiny, k, v)
     cfg.parallel = ParallelConfig(**parallel)
     cfg.optim.lr = lr
     cfg.learner.micro_batch_size = 4
@@ -102,6 +105,8 @@ def train_worker(rank, world_size, root):
             cfg = _job(Path(root) / f"{name}_{tag}", tiny, parallel, *RUNS[tag])
             ctx = init_distributed(cfg.parallel)
             lm_demo.run(cfg, ctx)
+        if "trained" not in runs:
+            continue
         learner = Learner(cfg, ctx, run_dir=cfg.train.out_dir)
         load_checkpoint(learner, latest_checkpoint(cfg.train.out_dir))
         out[name] = dict(logits=learner_logits(learner, ctx), layout=ctx.describe())
@@ -127,10 +132,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     start = time.monotonic()
     ranks = run_distributed(train_worker, 2, str(root))
-    print(f"train-lm runs at TP2, EP2, PP2xVPP2: {time.monotonic() - start:.0f}s")
+    print(f"train-lm runs at TP2, EP2, PP2xVPP2, TP2 bf16: {time.monotonic() - start:.0f}s")
     # Logits from the rank of the last pipeline stage; the layouts from rank 0.
     out = {name: dict(ranks[0][name], logits=next(r[name]["logits"] for r in ranks if r[name]["logits"] is not None))
-           for name in LAYOUTS}
+           for name in ranks[0]}
     return root, out
 
 
@@ -151,16 +156,18 @@ def test_export_at_lr0_is_the_initial_checkpoint(runs, name, tmp_path):
     cli("export", str(run), str(tmp_path / "hf"))
     print(f"export {name}: {time.monotonic() - start:.1f}s")
     exported, initial = tensors(tmp_path / "hf"), tensors(run / "tiny_model")
+    dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32  # the tiny model is float32
     assert set(exported) == set(initial)
     for k, w in initial.items():
-        assert exported[k].dtype == w.dtype and torch.equal(exported[k], w), k
+        assert exported[k].dtype == dtype and torch.equal(exported[k], w.to(dtype)), k
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "hf" / f).is_file(), f
     meta = json.loads((tmp_path / "hf" / "megatron_rl_export.json").read_text())
     assert meta["step"] == 1 and "world=1" in meta["export_layout"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [n for n, (_, _, runs) in LAYOUTS.items() if "trained" in runs])
 def test_export_of_trained_run_has_the_learners_logits(runs, name, tmp_path):
     from transformers import AutoModelForCausalLM
 
