@@ -38,16 +38,20 @@ from megatron_rl.config.schema import JobConfig
 def _is_run_dir(path: Path) -> bool:
     from megatron_rl.export import CONFIG_FILE
 
-    return (path / CONFIG_FILE).is_file() and (path / "checkpoints").is_dir()
+    return (path / CONFIG_FILE).is_file() and not (path / "config.json").is_file()
 
 
-def resolve_model(model: str, recipe: str, overrides: list[str], step: Optional[int]) -> tuple[JobConfig, Path, int]:
+def resolve_model(model: str, recipe: Optional[str], overrides: list[str],
+                  step: Optional[int]) -> tuple[JobConfig, Path, int]:
     """(config, HF folder to serve, step for the sampling seeds) for MODEL."""
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.export import export_checkpoint, find_checkpoint, load_run_config, step_of
 
     path = Path(model)
     if _is_run_dir(path):
+        if recipe is not None:
+            raise ValueError(f"--recipe is the config of a HF folder; the run directory {model} has its own "
+                             "(config.yaml): give overrides instead")
         cfg = load_run_config(path, overrides, drop=("parallel",))
         checkpoint = find_checkpoint(path, step)
         hf = path / "export" / checkpoint.name
@@ -61,10 +65,10 @@ def resolve_model(model: str, recipe: str, overrides: list[str], step: Optional[
         return cfg, hf, step_of(checkpoint)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{model} is neither a HF folder (no config.json) nor a run directory "
-                                "(config.yaml and checkpoints/)")
+                                "(no config.yaml)")
     if step is not None:
         raise ValueError("--step picks a checkpoint of a run directory; MODEL is a HF folder")
-    cfg = to_object(load_config(recipe, overrides))
+    cfg = to_object(load_config(recipe or "tiny_cpu", overrides))
     cfg.model.hf_path = str(path)
     return cfg, path, 0
 
@@ -157,19 +161,35 @@ def evaluate(cfg: JobConfig, hf: Path, step: int, log_dir: Path) -> dict:
             "reward": d.reward, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def _init_single_process() -> None:
+    """A process group of one, whatever launcher variables this process inherited (in an sbatch
+    script, SLURM_NTASKS counts the job's tasks, not this process's peers)."""
+    import torch.distributed as dist
+
+    from megatron_rl.rollout.server import free_port
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a HF folder, or a run directory (config.yaml, checkpoints/)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. eval.k=8 data.eval_files=[aime.parquet]")
-    parser.add_argument("--recipe", default="tiny_cpu", help="base config for a HF folder (default: tiny_cpu)")
+    parser.add_argument("--recipe", default=None, help="base config for a HF folder (default: tiny_cpu)")
     parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint of step N (default: the newest)")
     parser.add_argument("--out", default=None, help="the JSON report (default: <MODEL>.eval.json beside the folder)")
     args = parser.parse_intermixed_args(argv)  # options may follow the overrides
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1 or int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise ValueError("megatron-rl eval runs in one process (the servers do the work): start it without "
-                         "torchrun / srun; export a model too large for one device first (`megatron-rl export` "
-                         "under torchrun) and evaluate the folder")
+                         "torchrun; export a model too large for one device first (`megatron-rl export` under "
+                         "torchrun) and evaluate the folder")
+    _init_single_process()
     cfg, hf, step = resolve_model(args.model, args.recipe, args.overrides, args.step)
     out = Path(args.out) if args.out else hf.with_name(hf.name + ".eval.json")
     report = evaluate(cfg, hf, step, out.with_name(out.stem + "_server_logs"))

@@ -14,8 +14,9 @@ padded for another TP size loads its real rows (the embedding and output layer a
 
 The model comes from the run's `config.yaml` (written by `train` and `train-lm`), with Hydra
 overrides on top; its HF source (`model.hf_path`, or the run's `tiny_model/`) gives the
-architecture mapping, the tokenizer and the file layout. OUT_DIR is written as OUT_DIR.tmp and
-renamed when complete; an existing OUT_DIR is refused.
+architecture mapping, the tokenizer and the file layout. OUT_DIR also gets megatron_rl_export.json
+(run, checkpoint, step, the export's layout); it is written as OUT_DIR.tmp and renamed when
+complete, and an existing OUT_DIR is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megatron_rl.config.load import ConfigError
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.trainer.checkpoint import PREFIX, checkpoints_root, latest_checkpoint
 
