@@ -3,10 +3,16 @@
 Commands:
   demo [OVR]               the embedded default: RL on the tiny task (recipe tiny_cpu), CPU
   train RECIPE [OVR]       the RL trainer; under torchrun / srun every rank runs it
-  train-lm RECIPE [OVR]    supervised warm-up run (same launch rules)
+  train-lm RECIPE [OVR]    supervised warm-up run (same launch rules); its checkpoint exports as a
+                           train run's does
   dry-run RECIPE [OVR]     validate the config and data, print it, the parallel layout and where the
                            SGLang servers go (checked against the model); launch nothing
   plot RUN_DIR             metrics.jsonl -> RUN_DIR/curves.png
+  export RUN_DIR OUT_DIR [--step N] [OVR]
+                           a run's newest checkpoint (or step N) -> a Hugging Face folder, at any
+                           training layout; one process, or torchrun with parallel.* overrides
+  eval MODEL [OVR]         mean@k / pass@k of a HF folder, or of RUN_DIR's newest checkpoint
+                           (exported to RUN_DIR/export/step_N), on served samples; no training
   compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
 """
 
@@ -91,8 +97,36 @@ def _train_lm(recipe: str, overrides: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    from megatron_rl.export import export_checkpoint
+
+    parser = argparse.ArgumentParser(prog="megatron-rl export", description=(
+        "A run's checkpoint -> a Hugging Face folder (safetensors, config, tokenizer, generation "
+        "config). Loads only the model, at this process's layout: one process by default, or "
+        "under torchrun with parallel.tp=... / parallel.pp=... / parallel.ep=... overrides."))
+    parser.add_argument("run_dir", help="the run's out_dir (config.yaml, checkpoints/)")
+    parser.add_argument("out_dir", help="the HF folder to write (must not exist)")
+    parser.add_argument("--step", type=int, default=None, help="the checkpoint of step N (default: the newest)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run's config, e.g. parallel.tp=2")
+    args = parser.parse_intermixed_args(argv)  # --step may follow the overrides
+    export_checkpoint(args.run_dir, args.out_dir, args.step, args.overrides)
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    from megatron_rl.evaluate import main as evaluate
+
+    return evaluate(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["export"], ["eval"]):  # their own options: megatron-rl export --help
+        try:
+            return (_export if argv[0] == "export" else _eval)(argv[1:])
+        except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
+            print(f"megatron-rl: error: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["compare"]:  # its own options: megatron-rl compare --help
         from megatron_rl.trainer.compare import main as compare
 
@@ -103,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "train", "train-lm", "dry-run", "plot", "compare"])
+    parser.add_argument("command", choices=["demo", "train", "train-lm", "dry-run", "plot", "compare",
+                                            "export", "eval"])
     parser.add_argument("recipe", nargs="?", help="recipe name (recipes/NAME.yaml), or RUN_DIR for plot")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel.tp=2")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 0)) or None,

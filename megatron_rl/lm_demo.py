@@ -1,10 +1,12 @@
 """Supervised warm-up on the synthetic addition task: Megatron-Core training end to end on CPU.
 
-The embedded default until the RL loop lands. Each step draws a fresh global batch of problems
+Each step draws a fresh global batch of problems
 "a+b=" + answer, trains with the masked token-NLL on the answer tokens through the learner (any
 TP/PP/DP/EP layout), and every `log_every` steps reports loss and greedy exact-match accuracy on
 held-out problems (greedy decoding of the answer succeeds iff every answer token is the argmax
-given the correct prefix, so one teacher-forced forward pass measures it exactly).
+given the correct prefix, so one teacher-forced forward pass measures it exactly). The run dir
+gets config.yaml at the start and a checkpoint at the end (the RL trainer's format), so
+`megatron-rl export` makes a HF folder of the result: a warm-up an RL run can start from.
 """
 
 from __future__ import annotations
@@ -63,9 +65,12 @@ def greedy_accuracy(learner: Learner, batch: dict[str, torch.Tensor]) -> float:
 def run(cfg: JobConfig, ctx: ParallelContext) -> list[dict]:
     from transformers import AutoTokenizer
 
+    from megatron_rl.export import save_run_config
+    from megatron_rl.trainer.checkpoint import save_checkpoint
+
     out_dir = Path(cfg.train.out_dir)
     if ctx.rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        save_run_config(cfg, out_dir)  # what `megatron-rl export` reads
     learner = Learner(cfg, ctx, run_dir=str(out_dir), total_steps=cfg.train.steps)
     tokenizer = AutoTokenizer.from_pretrained(learner.hf_path)
     t = cfg.train
@@ -85,6 +90,9 @@ def run(cfg: JobConfig, ctx: ParallelContext) -> list[dict]:
         history.append(metrics)
         display.update(metrics)
     display.close()
+    # The trainer's checkpoint format: `megatron-rl export` turns it into a HF folder, from which
+    # an RL run can start (model.hf_path).
+    save_checkpoint(learner, out_dir, t.steps, {"step": t.steps})
     if ctx.rank == 0:
         with open(out_dir / "metrics.jsonl", "w") as f:
             for m in history:

@@ -65,16 +65,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
+def model_sharded_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model part of a checkpoint: {"model<i>": sharded state dict of this rank's chunk i}.
+
+    The `model<i>` names only nest the request; what is stored are megatron-core's sharded keys,
+    which name layers by their global number (transformer_block.py) and experts by their global
+    index, and record each tensor's global shape. So the model part of a checkpoint written at one
+    TP / PP / VPP / EP layout loads into the chunks of any other (`load_model_weights`).
+    `chunks`: GPTModels (or the Float16Module around one), one per virtual pipeline stage.
+    """
     from megatron.core import parallel_state as mpu
 
     state: dict[str, Any] = {}
-    for i, chunk in enumerate(learner.model):
-        if len(learner.model) > 1:
+    for i, chunk in enumerate(chunks):
+        if len(chunks) > 1:
             mpu.set_virtual_pipeline_model_parallel_rank(i)
-        state[f"model{i}"] = chunk.module.sharded_state_dict()
-    if len(learner.model) > 1:
+        state[f"model{i}"] = chunk.sharded_state_dict()
+    if len(chunks) > 1:
         mpu.set_virtual_pipeline_model_parallel_rank(0)
+    return state
+
+
+def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
+    state = model_sharded_state([chunk.module for chunk in learner.model])
     model_state = {k: v for k, v in state.items()}
     state["optimizer"] = learner.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     return state
@@ -106,6 +119,20 @@ def _load_learner(learner, folder: Path, with_trainer_state: bool = False) -> Op
     learner.optimizer.load_state_dict(loaded["optimizer"])
     learner.scheduler.load_state_dict(loaded["scheduler"])
     return loaded.get("trainer")
+
+
+def load_model_weights(chunks: list[torch.nn.Module], path: str | Path) -> None:
+    """Collective: only the model weights of checkpoint `path` (no optimizer, scheduler or RNG
+    state) into `chunks`, at this process's layout, whatever layout wrote it."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "metadata.json").exists():
+        raise FileNotFoundError(f"{path} is not a megatron-rl checkpoint (no metadata.json; checkpoints are "
+                                f"<run>/checkpoints/{PREFIX}<N>)")
+    loaded = dist_checkpointing.load(model_sharded_state(chunks), str(path))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"])
 
 
 def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
