@@ -14,6 +14,9 @@ Commands:
   eval MODEL [OVR]         mean@k / pass@k of a HF folder, or of RUN_DIR's newest checkpoint
                            (exported to RUN_DIR/export/step_N), on served samples; no training
   compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
+
+Known upstream notices (Transformer Engine / Apex fallbacks, ...) collapse into one line
+(megatron_rl/quiet.py); `--verbose` anywhere on the line, or MRL_VERBOSE=1, shows everything.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import os
 import sys
 
+from megatron_rl import quiet
 from megatron_rl.config.load import ConfigError, load_config, to_object
 
 
@@ -120,7 +124,12 @@ def _eval(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Before anything imports megatron-core: its import-time notices collapse into one line.
+    if "--verbose" in argv:  # any command; inherited by every process it starts (MRL_VERBOSE)
+        argv.remove("--verbose")
+        quiet.set_verbose()
+    quiet.install()
     if argv[:1] in (["export"], ["eval"]):  # their own options: megatron-rl export --help
         try:
             return (_export if argv[0] == "export" else _eval)(argv[1:])

@@ -27,6 +27,13 @@ KNOWN: tuple[tuple[type[Warning], str, str], ...] = (
      "autograd fallback notices of c10d collectives"),
     (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_scope",
      "megatron-core's cuda_graph_scope deprecation"),
+    # torch deprecations inside megatron-core's dist_checkpointing (its torch_dist strategy)
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed",
+     "torch.distributed.checkpoint deprecations in dist_checkpointing"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     "torch ShardedTensor deprecation in dist_checkpointing"),
+    # mbridge saving a single-file checkpoint (no model.safetensors.index.json to copy)
+    (UserWarning, r"No index file found, saving index file failed", "mbridge's single-file save notice"),
 )
 """(category, message regex, what the summary line calls it)."""
 

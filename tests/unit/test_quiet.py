@@ -37,3 +37,20 @@ def test_verbose_shows_everything_and_other_ranks_print_nothing(env):
         assert "known upstream notices hidden" not in err
     else:  # rank 1: hidden, and no summary line (rank 0 prints it)
         assert "not installed" not in err and "known upstream notices hidden" not in err, err
+
+
+@pytest.mark.slow
+def test_cli_is_quiet_by_default_and_verbose_shows_all(tmp_path):
+    """Through the command line (a one-step supervised run imports all of megatron-core)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MRL_VERBOSE", "RANK", "SLURM_PROCID")}
+
+    def cli(*extra: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train-lm", "tiny_lm_cpu", "train.steps=1",
+                              f"train.out_dir={tmp_path / str(len(extra))}", *extra],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stderr
+
+    quiet, loud = cli(), cli("--verbose")
+    assert "not installed" not in quiet and quiet.count("known upstream notices hidden") == 1, quiet
+    assert loud.count("not installed") >= 5 and "known upstream notices hidden" not in loud, loud
