@@ -140,6 +140,10 @@ def validate(cfg: JobConfig) -> None:
 
     if cfg.model.spec not in SPECS:
         raise ValueError(f"model.spec={cfg.model.spec!r}; valid: {', '.join(SPECS)}")
+    if r.generate:  # a missing module or function, or one that is not async, fails here (dry-run too)
+        from megatron_rl.rollout.episode import load_episode_fn
+
+        load_episode_fn(r.generate)
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server
