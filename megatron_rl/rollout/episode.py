@@ -21,9 +21,10 @@ Alignment (records.py's rule: row t of every per-token field belongs to the step
 - environment tokens: `loss_mask` False, μ 0, top-K ids −1 with log-probs 0 (what prompt rows hold
   in a batch: the learner drops negative ids, and the loss never reads the row);
 - `routes` covers every input position [0, P+T−1) as a partition over the turns: turn k (whose
-  request held the C_k tokens so far and which sampled T_k) gives the rows from where the previous
-  turn's end to C_k+T_k−1 — the prefill of the tokens new to it (the previous turn's last token,
-  the environment tokens since) and its own decoding steps; turn 1 also gives the prompt's rows.
+  request held the C_k tokens so far and which sampled T_k) gives the rows from the end of the
+  previous turn's rows up to C_k+T_k−1 — the prefill of the tokens new to it (the previous turn's
+  last token, the environment tokens since) and its own decoding steps; turn 1 also gives the
+  prompt's rows.
   A request also returns rows of the earlier positions: SGLang keeps routes beside the KV cache
   entries (state_capturer/base.py indexes its host buffer by KV slot), so a prefix-cache hit
   returns the rows stored when the position was computed; an evicted prefix is recomputed, and
@@ -56,7 +57,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_rl.plugins import describe, load_object
+from megatron_rl.plugins import load_object
 from megatron_rl.rollout.client import GenerationAborted, RolloutClient, RolloutError, SamplingParams
 from megatron_rl.rollout.records import RolloutRecord
 
@@ -223,11 +224,15 @@ class Episode:
             temperature=first.temperature, loss_mask=mask)
 
 
+def _name(fn) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 def load_episode_fn(spec: str, key: str = "rollout.generate") -> Callable[..., Awaitable[Any]]:
     """The user's episode function a spec names; it must be async (it awaits episode.generate)."""
     fn = load_object(spec, key)
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))):
-        raise ValueError(f"{key}={spec!r}: {describe(fn)} is not an async function; write it as "
+        raise ValueError(f"{key}={spec!r}: {_name(fn)} is not an async function; write it as "
                          "`async def fn(prompt, episode)` (it awaits episode.generate())")
     return fn
 
@@ -269,10 +274,10 @@ async def sample_episodes(fn, client: RolloutClient, tokenizer, prompts: Sequenc
         except (RolloutError, asyncio.CancelledError):
             raise
         except Exception as e:
-            raise EpisodeError(f"rollout.generate: {describe(fn)} raised on {where}: "
+            raise EpisodeError(f"rollout.generate: {_name(fn)} raised on {where}: "
                                f"{type(e).__name__}: {e}") from e
         if returned is not None and returned is not episode:
-            raise EpisodeError(f"rollout.generate: {describe(fn)} returned a {type(returned).__name__} on "
+            raise EpisodeError(f"rollout.generate: {_name(fn)} returned a {type(returned).__name__} on "
                                f"{where}; it fills the episode it is given and returns None")
         record = episode.to_record(i, j)
         reward = episode.reward

@@ -176,3 +176,19 @@ def test_episode_rewards_of_its_own():
 
     with pytest.raises(EpisodeError, match=r"set episode.reward = nan"):
         asyncio.run(sample_episodes(bad, None, None, [_Prompt()], 1, None))
+
+
+def test_validate_resolves_rollout_generate():
+    """The config check (dry-run) loads the episode function and refuses what episodes cannot do."""
+    from pathlib import Path
+
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.trainer.loop import validate
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "calculator_tool.py"
+    validate(to_object(load_config("calculator_tool_cpu", [f"rollout.generate={example}:generate"])))
+    with pytest.raises(ValueError, match="calculate is not an async function"):
+        validate(to_object(load_config("calculator_tool_cpu", [f"rollout.generate={example}:calculate"])))
+    with pytest.raises(ValueError, match="overlong_buffer .* several turns"):
+        validate(to_object(load_config("calculator_tool_cpu", [f"rollout.generate={example}:generate",
+                                                               "algorithm.overlong_buffer=1"])))
