@@ -94,7 +94,9 @@ class RolloutRecord:
     """One sampled response to one prompt, as the rollout engine produced it.
 
     Per-token response fields have T rows and share one alignment: row t belongs to the decoding
-    step that produced `response_ids[t]` (input position P−1+t; see the module docstring).
+    step that produced `response_ids[t]` (input position P−1+t; see the module docstring). In a
+    multi-turn episode the response also holds tokens no decoding step produced (`loss_mask`
+    False); their rows are placeholders the loss never reads, but their routes are real.
     """
 
     prompt_index: int
@@ -128,6 +130,11 @@ class RolloutRecord:
     """The server's weight version when the request finished (set by weight updates)."""
     temperature: float
     """Sampling temperature used; `rollout_logp` and `topk_logp` are scaled by it."""
+    loss_mask: torch.Tensor | None = None
+    """[T] bool: True where the model sampled `response_ids[t]`, False on tokens it did not
+    (tool outputs, user turns: an episode's environment tokens, rollout/episode.py). None: every
+    response token is the model's (a single sampled response). Environment rows carry μ 0, top-K
+    ids −1 with log-probs 0, and the routes the engine used when it read them."""
 
     def __post_init__(self):
         P, T = self.prompt_ids.numel(), self.response_ids.numel()
@@ -149,6 +156,13 @@ class RolloutRecord:
                 and self.routes.shape[0] == P + T - 1):
             raise ValueError(f"{where}: routes must be [P+T−1={P + T - 1}, L, k] uint8 or int16 "
                              f"(route_dtype), got {tuple(self.routes.shape)} {self.routes.dtype}")
+        if self.loss_mask is not None:
+            if self.loss_mask.dtype != torch.bool or self.loss_mask.shape != (T,):
+                raise ValueError(f"{where}: loss_mask must be [T={T}] bool, got "
+                                 f"{tuple(self.loss_mask.shape)} {self.loss_mask.dtype}")
+            if not bool(self.loss_mask.any()):
+                raise ValueError(f"{where}: loss_mask marks no response token as the model's; an "
+                                 "episode needs at least one model turn")
 
     @property
     def num_response_tokens(self) -> int:

@@ -12,8 +12,9 @@ Storage is compact and per sequence (no padding until a micro-batch is formed):
                truncated, ...
     tok[name]  list of b tensors, one per sequence, rows = input positions:
                input_ids      int32 [P+T]     prompt + response tokens
-               loss_mask      fp32  [P+T]     1 on response-token predictions (rows P−1..P+T−2)
-               rollout_logp   fp32  [P+T]     log μ(token s+1) on those rows
+               loss_mask      fp32  [P+T]     1 on response-token predictions (rows P−1..P+T−2),
+                                              0 on an episode's environment tokens (record.loss_mask)
+               rollout_logp   fp32  [P+T]     log μ(token s+1) on the loss rows, 0 elsewhere
                topk_ids       int32 [T, K]    rows P−1..P+T−2 only (`RESPONSE_ROWS`); −1 elsewhere
                topk_logp      fp32  [T, K]
                routed_experts uint8 [P+T−1, L, k] (int16 past 255 experts): the route of input
@@ -90,9 +91,13 @@ class RolloutBatch:
         for r, p, t in zip(records, P.tolist(), T.tolist()):
             tok["input_ids"].append(torch.cat([r.prompt_ids, r.response_ids]).to(torch.int32))
             mask = torch.zeros(p + t)
-            mask[p - 1:p - 1 + t] = 1.0
             mu = torch.zeros(p + t)
-            mu[p - 1:p - 1 + t] = r.rollout_logp.float()
+            if r.loss_mask is None:
+                mask[p - 1:p - 1 + t] = 1.0
+                mu[p - 1:p - 1 + t] = r.rollout_logp.float()
+            else:  # an episode: the environment's tokens are no prediction of the policy's
+                mask[p - 1:p - 1 + t] = r.loss_mask.float()
+                mu[p - 1:p - 1 + t] = torch.where(r.loss_mask, r.rollout_logp.float(), 0.0)
             tok["loss_mask"].append(mask)
             tok["rollout_logp"].append(mu)
             if with_topk:

@@ -148,6 +148,14 @@ def validate(cfg: JobConfig) -> None:
 
     if cfg.model.spec not in SPECS:
         raise ValueError(f"model.spec={cfg.model.spec!r}; valid: {', '.join(SPECS)}")
+    if r.generate:  # a missing module or function, or one that is not async, fails here (dry-run too)
+        from megatron_rl.rollout.episode import load_episode_fn
+
+        load_episode_fn(r.generate)
+        if a.overlong_buffer:
+            raise ValueError("algorithm.overlong_buffer ramps a penalty up to rollout.max_new_tokens, the length "
+                             "of one sampled response; an episode of rollout.generate has several turns and "
+                             "environment tokens, which that bound does not describe")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server

@@ -34,6 +34,7 @@ from megatron_rl.rewards import get_reward
 from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
+from megatron_rl.rollout.episode import load_episode_fn, sample_episodes
 from megatron_rl.rollout.memory import return_large_frees
 from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
@@ -71,6 +72,9 @@ class Rollouts:
         self.moe_topk, self.num_experts = moe_topk, num_experts
         self.rewards = None
         get_reward(cfg.data.reward)  # an unknown name fails here, with the valid names
+        # A user's episode function (multi-turn, tools; rollout/episode.py), or None: one sampled
+        # response per sample.
+        self.episode_fn = load_episode_fn(cfg.rollout.generate) if cfg.rollout.generate else None
         self._restarts_seen = 0
         r = cfg.rollout
         device = server_device(cfg)
@@ -153,17 +157,26 @@ class Rollouts:
         """n samples of each prompt and their rewards (scored by the pool while the other samples
         are still generating); metrics: reward/timeouts, time/reward_wait. `first_index`: the
         prompts' indices in the whole round, so that a seeded sample's seed does not depend on
-        which producer draws it."""
+        which producer draws it. With rollout.generate each sample is an episode of the user's
+        function (rollout/episode.py); one that sets its own reward is not sent to the pool."""
         call = next(self._calls)
+        own: dict[tuple[int, int, int], float] = {}  # rewards episodes set themselves
 
         def scorer(offset: int):
-            def on_record(rec: RolloutRecord) -> None:
+            def on_record(rec: RolloutRecord, reward: Optional[float] = None) -> None:
                 i = offset + rec.prompt_index
+                if reward is not None:
+                    own[(call, i, rec.sample_index)] = reward
+                    return
                 text = self.tokenizer.decode(rec.response_ids.tolist(), skip_special_tokens=False)
                 self.rewards.submit((call, i, rec.sample_index), text, prompts[i].answer)
             return on_record
 
-        if first_index is not None and self.cfg.rollout.seeded:
+        if self.episode_fn is not None:
+            groups, _ = self._run(sample_episodes(
+                self.episode_fn, self.client, self.tokenizer, prompts, n, sampling, top_k=top_k,
+                routes=routes, seed_index=first_index, on_record=scorer(0)))
+        elif first_index is not None and self.cfg.rollout.seeded:
             # Seeds follow (prompt, sample) within the round (client: seed + i·n + j): one concurrent
             # call per prompt with the seed shifted to that prompt's index.
             async def calls():
@@ -177,8 +190,10 @@ class Rollouts:
         else:
             groups = self._run(self.client.generate([p.ids for p in prompts], sampling, n=n, top_k_logprobs=top_k,
                                                     return_routed_experts=routes, on_record=scorer(0)))
-        got = self.rewards.collect([(call, i, j) for i in range(len(prompts)) for j in range(n)])
-        rewards = [[got.scores[(call, i, j)] for j in range(n)] for i in range(len(prompts))]
+        got = self.rewards.collect([(call, i, j) for i in range(len(prompts)) for j in range(n)
+                                    if (call, i, j) not in own])
+        scores = got.scores | own
+        rewards = [[scores[(call, i, j)] for j in range(n)] for i in range(len(prompts))]
         return groups, rewards, got.metrics()
 
     def generate(self, take, step: int) -> tuple[list[RolloutRecord], list[float], list[int], dict]:
@@ -238,22 +253,34 @@ class Rollouts:
             float(sum(rec.num_response_tokens for rec in records)),
             float(sum(rec.finish_reason == "length" for rec in records)),
             float(len(self.client.retry_events) - retries0), float(timeouts), float(errors)], dtype=torch.float64)
+        if self.episode_fn is not None:  # episodes: the model's and the environment's tokens
+            model = [int(rec.loss_mask.sum()) for rec in records]
+            env = [rec.num_response_tokens - m for rec, m in zip(records, model)]
+            sums = torch.cat([sums, torch.tensor([sum(model), sum(env), sum(e > 0 for e in env)],
+                                                 dtype=torch.float64)])
         return records, rewards, gids, {"_sums": sums, "rollout/generation_rounds": float(rounds),
                                          "time/generate_only": time.perf_counter() - start,
                                          "time/reward_wait": reward_wait}
 
     @staticmethod
     def finish_metrics(sums: torch.Tensor) -> dict[str, float]:
-        """The step's rollout metrics from the producers' summed `_sums`."""
-        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts, errors = sums.tolist()
+        """The step's rollout metrics from the producers' summed `_sums` (episodes add the mean
+        model and environment tokens per episode and the fraction of episodes with any
+        environment token, e.g. those that called a tool)."""
+        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts, errors = sums[:10].tolist()
         n, n_groups = max(n, 1.0), max(n_groups, 1.0)
-        return {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
-                "rollout/informative_groups": informative / n_groups,
-                "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
-                "rollout/retries": retries, "reward/timeouts": timeouts, "reward/errors": errors}
+        out = {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
+               "rollout/informative_groups": informative / n_groups,
+               "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
+               "rollout/retries": retries, "reward/timeouts": timeouts, "reward/errors": errors}
+        if sums.numel() > 10:
+            model, env, with_env = sums[10:].tolist()
+            out |= {"rollout/model_tokens_mean": model / n, "rollout/env_tokens_mean": env / n,
+                    "rollout/env_frac": with_env / n}
+        return out
 
     def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
-        """Rank 0: mean@k and pass@k on held-out prompts."""
+        """Rank 0: mean@k and pass@k on held-out prompts (episodes of rollout.generate when set)."""
         e = self.cfg.eval
         _, rewards, _ = self.sample(prompts, e.k, self.sampling(step, e.temperature,
                                                                 e.max_new_tokens or self.cfg.rollout.max_new_tokens,
