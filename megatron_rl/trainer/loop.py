@@ -271,9 +271,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         cfg, t = self.cfg, self.cfg.trainer
-        if t.mode == "train":
+        if self.rollouts is not None:
             # Servers may hold other weights (a resumed run; servers shared across runs): start
-            # every run by giving them exactly the learner's.
+            # every run that samples (rollout_only too) by giving them exactly the learner's.
             self.sync_weights()
         if self.step == 0 and self.eval_prompts and self.rollouts is not None:
             self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
