@@ -23,6 +23,17 @@ def is_import_path(spec: str) -> bool:
     return ":" in spec
 
 
+def _is_file(where: str) -> bool:
+    return where.endswith(".py") or "/" in where
+
+
+def absolute(spec: str) -> str:
+    """The spec with a file path made absolute against this process's working directory (for
+    processes that may start elsewhere, e.g. spawned workers); anything else unchanged."""
+    where, sep, attr = spec.rpartition(":")
+    return f"{Path(where).resolve()}:{attr}" if sep and _is_file(where) else spec
+
+
 def _load_file(path: Path, key: str, spec: str):
     if not path.is_file():
         raise ValueError(f"{key}={spec!r}: no such file {path} (a file path is relative to the working "
@@ -48,7 +59,7 @@ def load_object(spec: str, key: str) -> Callable[..., Any]:
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise ValueError(f"{key}={spec!r}: expected 'module.path:function' or 'path/to/file.py:function'")
-    if where.endswith(".py") or "/" in where:
+    if _is_file(where):
         module = _load_file(Path(where), key, spec)
     else:
         try:

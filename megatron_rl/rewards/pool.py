@@ -74,10 +74,9 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, Optional
 
-from megatron_rl.plugins import is_import_path
+from megatron_rl.plugins import absolute, is_import_path
 from megatron_rl.rewards import RewardKind, get_reward, reward_kind
 
 log = logging.getLogger(__name__)
@@ -139,17 +138,6 @@ class Collected:
     def metrics(self) -> dict[str, float]:
         return {"reward/timeouts": float(len(self.timed_out)), "reward/errors": float(len(self.errors)),
                 "time/reward_wait": self.wait_s}
-
-
-def _absolute(spec: str) -> str:
-    """A `file.py:fn` spec with the file made absolute against this process's working directory
-    (plugins.load_object's rule for what is a file); anything else unchanged."""
-    if not is_import_path(spec):
-        return spec
-    where, _, attr = spec.rpartition(":")
-    if where.endswith(".py") or "/" in where:
-        return f"{Path(where).resolve()}:{attr}"
-    return spec
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,7 +291,7 @@ class RewardPool:
         if on_error not in ON_ERROR:
             raise ValueError(f"reward_on_error={on_error!r}; valid: {', '.join(ON_ERROR)}")
         self.reward, self.workers, self.timeout, self.on_error = reward, workers, float(timeout), on_error
-        self._spec = _absolute(reward)
+        self._spec = absolute(reward)
         # A name: the workers import the module that registered it. An import path resolves itself.
         self._module = None if is_import_path(reward) else getattr(fn, "__module__", None)
         self._ctx = mp.get_context("spawn")

@@ -519,7 +519,7 @@ def test_a_timeout_in_a_batch_costs_only_its_sample(user):
 
 
 def test_relative_file_spec_is_made_absolute(tmp_path, monkeypatch):
-    from megatron_rl.rewards.pool import _absolute
+    from megatron_rl.plugins import absolute as _absolute
 
     monkeypatch.chdir(tmp_path)
     assert _absolute("sub/r.py:fn") == f"{tmp_path}/sub/r.py:fn"
