@@ -368,6 +368,9 @@ class RolloutClient:
         self._aborted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._read_gate = asyncio.Semaphore(READ_SLOTS)
+        # Per-server request slots (max_inflight_per_server), shared by every generate call of this
+        # client: seeded sampling and episodes make one call per prompt / turn, all at once.
+        self._slots: dict[str, asyncio.Semaphore] = {}
 
     # --- session ----------------------------------------------------------------------------
     @property
@@ -562,7 +565,7 @@ class RolloutClient:
             payload_base["top_logprobs_num"] = top_k_logprobs
         if return_routed_experts:
             payload_base.update(return_routed_experts=True, routed_experts_start_len=0)
-        sem: dict[str, asyncio.Semaphore] = {}
+        sem = self._slots  # the client's: the cap holds across concurrent generate calls
         keys = list(itertools.product(range(len(prompts)), range(n)))
         tasks = {(i, j): asyncio.ensure_future(self._sample(
                     batch, i, j, list(map(int, prompts[i])), payload_base, sampling, n,

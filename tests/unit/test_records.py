@@ -336,6 +336,20 @@ def test_inflight_cap_per_server():
         RolloutClient(["http://x"], max_inflight_per_server=0)
 
 
+def test_inflight_cap_holds_across_concurrent_calls():
+    """Seeded sampling and episodes make one generate call per prompt / turn, all at once."""
+    server = FakeSGLang(delay=0.5)
+
+    async def go():
+        async with server:
+            async with RolloutClient([server.url], max_inflight_per_server=3) as client:
+                await asyncio.gather(*(client.generate([p], SamplingParams(max_new_tokens=7), n=2)
+                                       for p in PROMPTS))
+
+    asyncio.run(go())
+    assert server.max_inflight == 3 and len(server.requests) == 2 * len(PROMPTS)
+
+
 def test_request_timeout_derived_from_max_new_tokens(monkeypatch):
     cfg = RolloutConfig()
     assert cfg.request_timeout is None and cfg.max_inflight_per_server == 64
