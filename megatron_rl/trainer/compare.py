@@ -5,8 +5,12 @@ normal `train` run of the recipe (default tiny_cpu) with `algorithm=<name>` and 
 to the model init, the sampling and the prompt order. All runs share one SGLang server (each run
 starts by pushing its own weights to it), so only one server start-up is paid.
 
-    megatron-rl compare --algorithms dppo_binary_tv,grpo_clip_higher,cispo --seeds 3 --steps 40
+    megatron-rl compare --algorithms dppo_binary_tv,grpo_clip_higher,cispo,pg_is --seeds 3 --steps 40
     -> runs/compare/<algorithm>/seed<k>/..., runs/compare/accuracy.png, runs/compare/summary.json
+
+`--first-seed F` runs seeds F .. F + seeds − 1 (e.g. `--first-seed 3 --seeds 2` adds seeds 3 and 4
+to an earlier 3-seed comparison). `pg_is` (configs/algorithm/pg_is.yaml) is the no-trust-region
+baseline: −A·π/μ with Dr.GRPO advantages, as DPPO's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="tiny_cpu")
     p.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="comma-separated configs/algorithm names")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="runs per algorithm")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds first-seed .. first-seed + seeds - 1 (more seeds later without rerunning these)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default="runs/compare")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
@@ -53,7 +59,7 @@ def main(argv: list[str]) -> int:
     with EngineManager(ServerConfig(model_path=str(ckpt), dtype="float32", max_total_tokens=r.max_total_tokens,
                                     extra_args=server_extra_args(job)), 1, log_dir=out / "server_logs") as mgr:
         for a in algorithms:
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 run_dir = out / a / f"seed{seed}"
                 cmd = [sys.executable, "-m", "megatron_rl.cli", "train", args.recipe, f"algorithm={a}",
                        f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",

@@ -248,23 +248,30 @@ def test_compare_runs_every_algorithm_and_plots(tmp_path):
     """`megatron-rl compare`: algorithms x seeds on the tiny task against one shared server."""
     import json
 
+    import yaml
+
     out = tmp_path / "compare"
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "compare", "--algorithms", "dppo_binary_tv,cispo",
-         "--seeds", "2", "--steps", "2", "--out", str(out), *SMALL],
+        [sys.executable, "-m", "megatron_rl.cli", "compare", "--algorithms", "dppo_binary_tv,pg_is",
+         "--seeds", "2", "--first-seed", "3", "--steps", "2", "--out", str(out), *SMALL],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert sorted(summary) == ["cispo", "dppo_binary_tv"]
+    assert sorted(summary) == ["dppo_binary_tv", "pg_is"]
     assert all(len(s["final_train_accuracy"]) == 2 for s in summary.values())
     assert (out / "accuracy.png").stat().st_size > 10_000
     for algo in summary:
-        for seed in range(2):
+        for seed in (3, 4):  # --first-seed 3
             rows = [r for r in read_metrics(out / algo / f"seed{seed}") if r["step"] >= 0]
             assert [r["step"] for r in rows] == [0, 1]
+            config = yaml.safe_load((out / algo / f"seed{seed}" / "config.yaml").read_text())
+            assert config["trainer"]["seed"] == seed and config["algorithm"]["policy_loss"] == (
+                "pg_is" if algo == "pg_is" else "dppo")
     # the seed reaches the model init: the two seeds' first steps differ
-    a, b = (stable(read_metrics(out / "cispo" / f"seed{s}"))[0] for s in range(2))
+    a, b = (stable(read_metrics(out / "pg_is" / f"seed{s}"))[0] for s in (3, 4))
     assert a["entropy/mean"] != b["entropy/mean"]
+    # PG-IS has no trust region: nothing masked or clipped, whatever the ratios
+    assert all(r["masked_frac"] == 0 for r in stable(read_metrics(out / "pg_is" / "seed3")))
 
 
 def test_kl_to_reference_through_the_loop(server_url, tmp_path):
