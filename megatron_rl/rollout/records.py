@@ -32,6 +32,14 @@ SGLang's raw layouts and how they map:
   P−1..P+T−2, i.e. exactly the step that produced each response token. Prefix-cache hits do
   not change this: SGLang keeps routing beside the cached KV entries.
 - `meta_info.finish_reason`: {"type": "stop" | "length" | "abort", ...} (or the bare string).
+- `meta_info.weight_versions`: [{version, start, end}] spans tiling the output tokens [0, T) in
+  order: tokens start..end−1 were produced under weights `version` (SGLang appends a span at
+  every weight load that happens while the request has output, utils/weight_versions.py, and
+  sets `meta_info.weight_version` to the last span's version). → `versions` [T] int32 via
+  `version_number`: our trainer names versions by step ("0", "1", ...), so a canonical decimal
+  in [0, 2^31) is its number and anything else — a fresh server's "default", evaluate.py's
+  "eval", "" — is `UNKNOWN_VERSION` (−1), which no trainer step equals, so such tokens always
+  count as stale. A server without spans gives every token `meta_info.weight_version`.
 SGLang serializes with orjson, which writes NaN and ±inf as null; its log-probs are clamped to
 finite values first, so a null (or any non-number) where a number belongs is a malformed response.
 
@@ -46,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from array import array
 from itertools import chain
 from operator import itemgetter
@@ -61,6 +70,19 @@ NO_ROUTE_U8 = 255
 NO_ROUTE_I16 = -1
 """The "no route" value of int16 routes."""
 _MAX_EXPERTS_I16 = 2 ** 15 - 1
+
+UNKNOWN_VERSION = -1
+"""`versions` value of a token whose weights are not a trainer step (a fresh server's "default",
+any non-numeric version) and of an episode's environment tokens (no weights produced them)."""
+_VERSION = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical: "07" or "+7" never equals str(step)
+
+
+def version_number(version: Any) -> int:
+    """A weight version string → its trainer step (a canonical decimal in [0, 2^31)), else
+    `UNKNOWN_VERSION`."""
+    if isinstance(version, str) and _VERSION.fullmatch(version) and int(version) < 2 ** 31:
+        return int(version)
+    return UNKNOWN_VERSION
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -135,6 +157,10 @@ class RolloutRecord:
     (tool outputs, user turns: an episode's environment tokens, rollout/episode.py). None: every
     response token is the model's (a single sampled response). Environment rows carry μ 0, top-K
     ids −1 with log-probs 0, and the routes the engine used when it read them."""
+    versions: torch.Tensor | None = None
+    """[T] int32: the weight version (trainer step, `version_number`) that produced
+    `response_ids[t]`, from SGLang's per-token spans; `UNKNOWN_VERSION` (−1) for a version that is
+    no step and for environment tokens. None: not recorded (records built by hand)."""
 
     def __post_init__(self):
         P, T = self.prompt_ids.numel(), self.response_ids.numel()
@@ -163,10 +189,27 @@ class RolloutRecord:
             if not bool(self.loss_mask.any()):
                 raise ValueError(f"{where}: loss_mask marks no response token as the model's; an "
                                  "episode needs at least one model turn")
+        if self.versions is not None:
+            if self.versions.dtype != torch.int32 or self.versions.shape != (T,):
+                raise ValueError(f"{where}: versions must be [T={T}] int32, got "
+                                 f"{tuple(self.versions.shape)} {self.versions.dtype}")
+            if T and int(self.versions.min()) < UNKNOWN_VERSION:
+                raise ValueError(f"{where}: versions holds {int(self.versions.min())}; a version is a "
+                                 f"trainer step ≥ 0 or UNKNOWN_VERSION ({UNKNOWN_VERSION})")
 
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_ids.numel())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the model's tokens (`loss_mask` rows; all rows without
+        one): `UNKNOWN_VERSION` when any of them has no known version; None without `versions`
+        or tokens."""
+        if self.versions is None:
+            return None
+        v = self.versions if self.loss_mask is None else self.versions[self.loss_mask]
+        return int(v.min()) if v.numel() else None
 
     @property
     def routed_experts(self) -> torch.Tensor | None:
@@ -414,6 +457,47 @@ def finish_reason(response: Any) -> str:
     return kind
 
 
+def token_versions(meta: dict[str, Any], T: int) -> np.ndarray:
+    """[T] int32 weight version of each output token from `meta_info.weight_versions` (spans
+    tiling [0, T); `version_number` of each); without spans, every token gets
+    `meta_info.weight_version`. A loop runs per span (one per weight load during the request),
+    never per token. Raises MalformedResponse naming the first bad span."""
+    newest = str(meta.get("weight_version", ""))
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return np.full(T, version_number(newest), dtype=np.int32)
+    field = "meta_info.weight_versions"
+    if type(spans) is not list or not spans:
+        raise MalformedResponse(field, "expected a non-empty list of {version, start, end} spans, got "
+                                f"{_describe(spans)}")
+    numbers, lengths, at = [], [], 0
+    for s, span in enumerate(spans):
+        path = f"{field}[{s}]"
+        if type(span) is not dict:
+            raise MalformedResponse(path, f"expected {{version, start, end}}, got {_describe(span)}")
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if not isinstance(version, str):
+            raise MalformedResponse(f"{path}.version", f"expected a version string, got {_describe(version)}")
+        for name, x in (("start", start), ("end", end)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise MalformedResponse(f"{path}.{name}", f"expected a token index, got {_describe(x)}")
+        if start != at:
+            raise MalformedResponse(f"{path}.start", f"is {start}, expected {at}: the spans must tile the "
+                                    f"{T} output tokens in order, each starting where the previous ended")
+        if not start < end <= T and not start == end == T == 0:
+            raise MalformedResponse(f"{path}.end", f"is {end}: a span ends after its start ({start}) and "
+                                    f"at most at the {T} output tokens")
+        numbers.append(version_number(version))
+        lengths.append(end - start)
+        at = end
+    if at != T:
+        raise MalformedResponse(field, f"cover output tokens [0, {at}), not all {T} (output_ids)")
+    if spans[-1]["version"] != newest:
+        raise MalformedResponse("meta_info.weight_version", f"{newest!r} differs from the last span's "
+                                f"version {spans[-1]['version']!r} (SGLang sets it to that)")
+    return np.repeat(np.array(numbers, dtype=np.int32), lengths)
+
+
 def record_from_sglang(
     response: dict[str, Any],
     *,
@@ -476,6 +560,7 @@ def record_from_sglang(
             raise MalformedResponse("meta_info.routed_experts", "missing: start the server with "
                                     "--enable-return-routed-experts")
         routes = decode_routed_experts(b64, P + T - 1, moe_topk, num_experts)
+    versions = torch.from_numpy(token_versions(meta, T))
 
     return RolloutRecord(
         prompt_index=prompt_index,
@@ -489,4 +574,5 @@ def record_from_sglang(
         finish_reason=kind,
         weight_version=str(meta.get("weight_version", "")),
         temperature=float(temperature),
+        versions=versions,
     )

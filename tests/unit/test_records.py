@@ -23,19 +23,23 @@ from megatron_rl.rollout import client as client_mod
 from megatron_rl.rollout.client import RolloutClient, RolloutError, SamplingParams, request_timeout_s
 from megatron_rl.rollout.records import (
     NO_ROUTE_U8,
+    UNKNOWN_VERSION,
     MalformedResponse,
+    RolloutRecord,
     decode_routed_experts,
     force_sampled_into_topk,
     no_route,
     record_from_sglang,
     route_dtype,
+    version_number,
 )
 
 L, KR, E, K = 3, 2, 8, 4  # MoE layers, router top-k, experts, top-K log-probs
 
 
-def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length"):
-    """(response as orjson parses SGLang's body, reference arrays)."""
+def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length", spans=(("7", 0, None),)):
+    """(response as orjson parses SGLang's body, reference arrays). `spans`: (version, start, end)
+    as SGLang's `meta_info.weight_versions` (end None: T); None leaves them out (an older server)."""
     g = np.random.default_rng(seed)
     P = len(prompt)
     out_ids = g.integers(0, 1000, T)
@@ -50,6 +54,9 @@ def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length"):
             "output_top_logprobs": [[[float(a), int(b), None] for a, b in zip(ra, rb)]
                                     for ra, rb in zip(top_lp, top_ids)],
             "routed_experts": base64.b64encode(routes.astype(np.int32).tobytes()).decode()}
+    if spans is not None:  # utils/weight_versions.py: add_weight_versions_to_meta_info
+        meta["weight_versions"] = [{"version": v, "start": a, "end": T if b is None else b} for v, a, b in spans]
+        meta["weight_version"] = spans[-1][0]
     body = orjson.dumps({"text": "...", "output_ids": out_ids.tolist(), "meta_info": meta})
     return orjson.loads(body), dict(out_ids=out_ids, logp=logp, top_ids=top_ids, top_lp=top_lp,
                                     routes=routes)
@@ -87,6 +94,8 @@ def test_record_fields_layouts_and_dtypes():
     base = rec.routes.untyped_storage().data_ptr()
     assert rec.routed_experts.untyped_storage().data_ptr() == base == rec.prompt_routed_experts.untyped_storage().data_ptr()
     assert rec.routed_experts.data_ptr() == rec.routes[P - 1].data_ptr()
+    # One weight version for the whole response.
+    assert rec.versions.dtype == torch.int32 and rec.versions.tolist() == [7] * T and rec.oldest_version == 7
     with pytest.raises(AttributeError):
         rec.routed_experts = rec.routes
     # Dense / not requested: no top-K, no routes.
@@ -202,6 +211,83 @@ def test_malformed_response_names_the_field(name):
     with pytest.raises(MalformedResponse, match=detail) as e:
         build(resp, PROMPT)
     assert e.value.field == field
+
+
+def test_version_number():
+    assert [version_number(v) for v in ("0", "7", "123", str(2 ** 31 - 1))] == [0, 7, 123, 2 ** 31 - 1]
+    # Not a trainer step: a fresh server, evaluate.py's version, non-canonical or out-of-range text.
+    for v in ("default", "eval", "", "07", "+7", "-1", " 7", "7.0", "٣", str(2 ** 31), 7, None):
+        assert version_number(v) == UNKNOWN_VERSION == -1, v
+
+
+def test_versions_from_weight_version_spans():
+    """A response generated across two weight loads: each token gets its span's version; a
+    fresh server's "default" is unknown (−1); without spans the one weight_version holds."""
+    resp, _ = sglang_response(PROMPT, 7, spans=[("default", 0, 2), ("4", 2, 3), ("5", 3, 7)])
+    rec = build(resp, PROMPT)
+    assert rec.versions.tolist() == [-1, -1, 4, 5, 5, 5, 5] and rec.versions.dtype == torch.int32
+    assert rec.weight_version == "5" and rec.oldest_version == -1
+    resp, _ = sglang_response(PROMPT, 7, spans=[("4", 0, 6), ("5", 6, 7)])
+    assert build(resp, PROMPT).oldest_version == 4
+    for version, expect in (("3", 3), ("default", -1)):
+        resp, _ = sglang_response(PROMPT, 7, spans=None)
+        resp["meta_info"]["weight_version"] = version
+        rec = build(resp, PROMPT)
+        assert rec.versions.tolist() == [expect] * 7 and rec.weight_version == version
+    # The loss mask picks the tokens oldest_version reads (an episode's environment rows are −1).
+    rec.versions = torch.tensor([2, 3, -1, -1, 3, 4, 4], dtype=torch.int32)
+    rec.loss_mask = torch.tensor([1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert rec.oldest_version == 2
+
+
+BAD_SPANS = {
+    # name: (spans as SGLang's JSON, field named, detail pattern); T = 7
+    "not_a_list": ({"version": "1", "start": 0, "end": 7}, "meta_info.weight_versions", "non-empty list"),
+    "empty": ([], "meta_info.weight_versions", "non-empty list"),
+    "span_not_object": ([["1", 0, 7]], "meta_info.weight_versions[0]", "expected {version, start, end}"),
+    "version_not_string": ([{"version": 1, "start": 0, "end": 7}], "meta_info.weight_versions[0].version",
+                           "expected a version string, got int"),
+    "start_missing": ([{"version": "1", "end": 7}], "meta_info.weight_versions[0].start", "token index"),
+    "end_is_float": ([{"version": "1", "start": 0, "end": 7.0}], "meta_info.weight_versions[0].end",
+                     "token index, got float"),
+    "gap": ([{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 4, "end": 7}],
+            "meta_info.weight_versions[1].start", "is 4, expected 3"),
+    "not_from_zero": ([{"version": "1", "start": 1, "end": 7}], "meta_info.weight_versions[0].start",
+                      "is 1, expected 0"),
+    "empty_span": ([{"version": "1", "start": 0, "end": 0}, {"version": "2", "start": 0, "end": 7}],
+                   "meta_info.weight_versions[0].end", "is 0: a span ends after its start"),
+    "beyond_output": ([{"version": "1", "start": 0, "end": 8}], "meta_info.weight_versions[0].end",
+                      "at most at the 7 output tokens"),
+    "short": ([{"version": "1", "start": 0, "end": 5}], "meta_info.weight_versions",
+              r"cover output tokens \[0, 5\), not all 7"),
+    "newest_differs": ([{"version": "2", "start": 0, "end": 7}], "meta_info.weight_version",
+                       "'7' differs from the last span's version '2'"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SPANS))
+def test_malformed_weight_version_spans(name):
+    spans, field, detail = BAD_SPANS[name]
+    resp, _ = sglang_response(PROMPT, 7)
+    resp["meta_info"]["weight_versions"] = spans  # weight_version stays "7"
+    with pytest.raises(MalformedResponse, match=detail) as e:
+        build(resp, PROMPT)
+    assert e.value.field == field
+
+
+def test_record_checks_versions():
+    resp, _ = sglang_response(PROMPT, 7)
+    rec = build(resp, PROMPT)
+    kw = {f: getattr(rec, f) for f in ("prompt_index", "sample_index", "prompt_ids", "response_ids", "rollout_logp",
+                                       "topk_ids", "topk_logp", "routes", "finish_reason", "weight_version",
+                                       "temperature")}
+    with pytest.raises(ValueError, match=r"versions must be \[T=7\] int32, got \(7,\) torch.int64"):
+        RolloutRecord(**kw, versions=torch.zeros(7, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"versions must be \[T=7\] int32, got \(6,\)"):
+        RolloutRecord(**kw, versions=torch.zeros(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="versions holds -2"):
+        RolloutRecord(**kw, versions=torch.full((7,), -2, dtype=torch.int32))
+    assert RolloutRecord(**kw).oldest_version is None
 
 
 # --- the client, against a local app serving SGLang-shaped bodies -----------------------------
