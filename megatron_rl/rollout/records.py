@@ -56,6 +56,7 @@ import dataclasses
 import math
 import re
 from array import array
+from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -576,3 +577,119 @@ def record_from_sglang(
         temperature=float(temperature),
         versions=versions,
     )
+
+
+def same_layout(a: RolloutRecord, b: RolloutRecord) -> bool:
+    """Whether two records can be segments of one record: the same temperature (the learner
+    divides its logits by one), top-K width and routes layout."""
+    return (a.temperature == b.temperature
+            and (a.topk_ids is None) == (b.topk_ids is None)
+            and (a.topk_ids is None or a.topk_ids.shape[1] == b.topk_ids.shape[1])
+            and (a.routes is None) == (b.routes is None)
+            and (a.routes is None or (a.routes.dtype == b.routes.dtype and a.routes.shape[1:] == b.routes.shape[1:]))
+            and (a.versions is None) == (b.versions is None))
+
+
+def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Sequence[int] | torch.Tensor,
+                   segments: Sequence[tuple[int, RolloutRecord]], *, prompt_index: int, sample_index: int,
+                   finish_reason: str | None = None, always_mask: bool = False) -> RolloutRecord:
+    """ONE record of a response generated in segments: the one merge rule of an episode's turns
+    (rollout/episode.py) and of a sample continued after an abort (prompt + its tokens so far,
+    re-submitted with the remaining budget: a turn with no environment tokens before it).
+
+    `segments`: (offset in `response_ids`, record) in order; each record is one response to
+    exactly `prompt_ids + response_ids[:offset]` and its tokens are `response_ids[offset:...]`.
+    Tokens between segments are environment tokens (no weights produced them); `response_ids`
+    ends with the last segment. Every per-token row keeps records.py's alignment:
+    - μ, top-K and `versions` rows are the producing segment's rows at its offset; environment
+      rows hold μ 0, top-K ids −1 with log-probs 0, version `UNKNOWN_VERSION`;
+    - `loss_mask` is True on segment rows, None when there is no environment token (unless
+      `always_mask`: an episode's record always has one);
+    - `routes` (input positions [0, P+T−1)): every segment returns rows for all of its input
+      positions [0, C_k+T_k−1) (C_k its request's tokens). Position p takes its row from the
+      first segment, among those covering p, of the newest weight version (`version_number` of
+      the segment's `weight_version`, the weights its routes came from) that covers p. With one
+      version this is a partition: segment k gives rows from where segment k−1's end through its
+      own decoding steps (the prefill of the tokens new to it, then its steps), and the rows a
+      later segment returned for earlier positions are unused (they may have been recomputed
+      after a prefix-cache eviction; the earlier segment's rows are the ones its log-probs came
+      from). After a weight change the whole prefix up to the first newer-version segment comes
+      from that segment: replaying the newest version's tokens needs the routing that version
+      computed for every earlier position (attention carries it to later tokens), while older
+      tokens stay anchored by their exact μ.
+    - `finish_reason`: the last segment's unless given (the client's fix-ups of an abort);
+      `weight_version`: the segments' distinct versions in order, joined by commas when they
+      differ (never equal to one trainer version, so a check on `weight_version` treats a
+      mixed record as stale; `versions` says which token is which); `temperature`: the
+      segments' common one.
+    """
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()
+    response = torch.as_tensor(response_ids, dtype=torch.int64).flatten()
+    P, T = prompt.numel(), response.numel()
+    where = f"merge_segments (prompt {prompt_index}, sample {sample_index})"
+    if not segments:
+        raise ValueError(f"{where}: no segment (a response needs at least one sampled segment)")
+    first = segments[0][1]
+    end = 0
+    for k, (off, rec) in enumerate(segments):
+        Tk = rec.response_ids.numel()
+        if Tk == 0:
+            raise ValueError(f"{where}: segment {k} has no token (drop empty segments before merging)")
+        if off < end:
+            raise ValueError(f"{where}: segment {k} starts at response offset {off}, inside the previous "
+                             f"segment (which ends at {end}); segments come in order, not overlapping")
+        if k and not same_layout(first, rec):
+            raise ValueError(f"{where}: segment {k} was sampled with another temperature, top-K width, routes "
+                             "layout or versions presence than segment 0; a record's segments share them")
+        if off + Tk > T or not torch.equal(rec.response_ids, response[off:off + Tk]):
+            raise ValueError(f"{where}: segment {k}'s {Tk} tokens are not response_ids[{off}:{off + Tk}]")
+        C = rec.prompt_ids.numel()
+        if C != P + off or not (torch.equal(rec.prompt_ids[:P], prompt)
+                                and torch.equal(rec.prompt_ids[P:], response[:off])):
+            raise ValueError(f"{where}: segment {k}'s request held {C} tokens that are not the prompt and the "
+                             f"{off} response tokens before it; a segment continues the response so far")
+        end = off + Tk
+    if end != T:
+        raise ValueError(f"{where}: the response has {T} tokens but the last segment ends at {end} (drop "
+                         "environment tokens after the last segment: no model token reads them)")
+
+    mask = torch.zeros(T, dtype=torch.bool)
+    logp = torch.zeros(T, dtype=torch.float32)
+    topk_ids = topk_logp = versions = None
+    if first.topk_ids is not None:
+        topk_ids = torch.full((T, first.topk_ids.shape[1]), -1, dtype=torch.int32)
+        topk_logp = torch.zeros(T, first.topk_ids.shape[1], dtype=torch.float32)
+    if first.versions is not None:
+        versions = torch.full((T,), UNKNOWN_VERSION, dtype=torch.int32)
+    for off, rec in segments:
+        rows = slice(off, off + rec.response_ids.numel())
+        mask[rows] = True
+        logp[rows] = rec.rollout_logp
+        if topk_ids is not None:
+            topk_ids[rows], topk_logp[rows] = rec.topk_ids, rec.topk_logp
+        if versions is not None:
+            versions[rows] = rec.versions
+
+    routes = None
+    if first.routes is not None:
+        # owner[p]: the segment whose row p is kept (the docstring's rule), by one vectorised
+        # update per segment; strictly newer wins, so the first segment of a version keeps its rows.
+        N = P + T - 1
+        owner = np.full(N, -1, dtype=np.int64)
+        best = np.full(N, np.iinfo(np.int64).min, dtype=np.int64)
+        for k, (off, rec) in enumerate(segments):
+            e = P + off + rec.response_ids.numel() - 1
+            v = version_number(rec.weight_version)
+            newer = v > best[:e]
+            owner[:e][newer] = k
+            best[:e][newer] = v
+        cuts = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), N]
+        routes = torch.cat([segments[int(owner[a])][1].routes[a:b] for a, b in zip(cuts, cuts[1:]) if b > a])
+
+    weight_versions = list(dict.fromkeys(rec.weight_version for _, rec in segments))
+    return RolloutRecord(
+        prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt.clone(),
+        response_ids=response.clone(), rollout_logp=logp, topk_ids=topk_ids, topk_logp=topk_logp,
+        routes=routes, finish_reason=segments[-1][1].finish_reason if finish_reason is None else finish_reason,
+        weight_version=",".join(weight_versions), temperature=first.temperature,
+        loss_mask=mask if always_mask or not bool(mask.all()) else None, versions=versions)
