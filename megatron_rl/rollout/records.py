@@ -162,6 +162,10 @@ class RolloutRecord:
     """[T] int32: the weight version (trainer step, `version_number`) that produced
     `response_ids[t]`, from SGLang's per-token spans; `UNKNOWN_VERSION` (−1) for a version that is
     no step and for environment tokens. None: not recorded (records built by hand)."""
+    segments: list[RolloutRecord] | None = dataclasses.field(default=None, repr=False, compare=False)
+    """A sample the client continued after aborts (`continue_aborted`): its segments' own records,
+    whose routes of older weight versions the merged record does not keep (merge_segments); for
+    tests and diagnostics, never batched. None otherwise."""
 
     def __post_init__(self):
         P, T = self.prompt_ids.numel(), self.response_ids.numel()

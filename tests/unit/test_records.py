@@ -296,9 +296,14 @@ class FakeSGLang:
     the answer to sample (i, j) (read from the rid the client sends), `hold[(i, j)]` is awaited
     first. Counts requests and the most requests in flight at once."""
 
-    def __init__(self, mutate=None, hold=None, delay=0.0, body=None):
+    def __init__(self, mutate=None, hold=None, delay=0.0, body=None, script=None):
         self.mutate, self.hold, self.delay, self.body = mutate or {}, hold or {}, delay, body
+        # script[(i, j)]: the answers to that sample's successive requests, each (T, finish,
+        # weight version, last token or None); then the default (7 tokens, "length", "7").
+        self.script = {k: list(v) for k, v in (script or {}).items()}
         self.requests: list[str] = []
+        self.payloads: dict[str, dict] = {}  # rid: the request
+        self.refs: dict[str, dict] = {}  # rid: the reference arrays of the answer
         self.inflight = self.max_inflight = 0
 
     async def generate(self, request):
@@ -318,9 +323,22 @@ class FakeSGLang:
             self.inflight -= 1
         if self.body is not None:
             return web.Response(body=self.body, content_type="application/json")
-        T = 7
-        resp, _ = sglang_response(req["input_ids"], T, seed=hash(key) % 1000,
-                                  top_k=req.get("top_logprobs_num", K))
+        self.payloads[req["rid"]] = req
+        T, finish, version, last = self.script[key].pop(0) if self.script.get(key) else (7, "length", "7", None)
+        if T == 0:  # aborted while queued (tokenizer_manager._handle_abort_req): no token, no route
+            meta = {"id": req["rid"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": version, "prompt_tokens": len(req["input_ids"]), "completion_tokens": 0,
+                    "output_token_logprobs": [], "output_top_logprobs": [],
+                    "weight_versions": [{"version": version, "start": 0, "end": 0}]}
+            return web.Response(body=orjson.dumps({"text": "", "output_ids": [], "meta_info": meta}),
+                                content_type="application/json")
+        resp, ref = sglang_response(req["input_ids"], T, seed=(hash(key) + 7 * len(req["input_ids"])) % 1000,
+                                    top_k=req.get("top_logprobs_num", K), finish=finish,
+                                    spans=[(version, 0, None)])
+        if last is not None:  # the last token is `last` (an EOS / stop id)
+            resp["output_ids"][-1] = resp["meta_info"]["output_token_logprobs"][-1][1] = last
+            ref["out_ids"][-1] = last
+        self.refs[req["rid"]] = ref
         if key in self.mutate:
             self.mutate[key](resp)
         return web.Response(body=orjson.dumps(resp), content_type="application/json")
@@ -351,12 +369,12 @@ class FakeSGLang:
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
 
 
-def _run(server: FakeSGLang, n=2, client_kw=None, **gen_kw):
+def _run(server: FakeSGLang, n=2, client_kw=None, sampling=None, **gen_kw):
     async def go():
         async with server:
             async with RolloutClient([server.url], moe_topk=KR, num_experts=E, backoff_initial=0.05,
                                      **(client_kw or {})) as client:
-                out = await client.generate(PROMPTS, SamplingParams(max_new_tokens=7), n=n,
+                out = await client.generate(PROMPTS, sampling or SamplingParams(max_new_tokens=7), n=n,
                                             top_k_logprobs=K, return_routed_experts=True, **gen_kw)
                 return out, client
     return asyncio.run(go())
@@ -478,3 +496,72 @@ print((rss() - base) >> 20)
     kept = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
                                      check=True).stdout) for mode in ("dynamic", "fixed")}
     assert kept["dynamic"] >= 8 and kept["fixed"] < 4, kept
+
+
+EOS, STOP = 2, 999  # the model's EOS; an extra stop id of the call
+CONTINUE = dict(continue_aborted=True, eos_token_ids=[EOS])
+
+
+def test_aborted_sample_continues_as_prompt_plus_its_tokens():
+    """Sample (1, 0) is aborted three times (a pause around each of two weight pushes, once while
+    queued): the client re-sends prompt + the tokens so far with the remaining budget and the same
+    seed, and merges the segments into one record whose every row comes from its segment."""
+    script = {(1, 0): [(3, "abort", "4", None), (0, "abort", "4", None), (2, "abort", "5", None),
+                       (2, "length", "5", None)]}
+    server = FakeSGLang(script=script)
+    seen = []
+    out, client = _run(server, client_kw=CONTINUE, sampling=SamplingParams(max_new_tokens=7, seed=11),
+                       on_record=lambda r: seen.append((r.prompt_index, r.sample_index)))
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["1", "0"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "s1a0", "s1a1", "s2a0"]  # the empty abort: a retry
+    sent = [server.payloads[r] for r in rids]
+    prompt = PROMPTS[1]
+    seg_ids = [server.refs[r]["out_ids"].tolist() for r in (rids[0], rids[2], rids[3])]
+    assert [p["input_ids"] for p in sent] == [prompt, prompt + seg_ids[0], prompt + seg_ids[0],
+                                              prompt + seg_ids[0] + seg_ids[1]]
+    assert [p["sampling_params"]["max_new_tokens"] for p in sent] == [7, 4, 4, 2]
+    assert {p["sampling_params"]["sampling_seed"] for p in sent} == {11 + 1 * 2 + 0}
+    rec = out[1][0]
+    refs = [server.refs[r] for r in (rids[0], rids[2], rids[3])]
+    assert rec.response_ids.tolist() == sum(seg_ids, [])
+    assert np.array_equal(rec.rollout_logp.numpy(), np.concatenate([r["logp"] for r in refs]))
+    assert rec.versions.tolist() == [4, 4, 4, 5, 5, 5, 5] and rec.oldest_version == 4
+    assert (rec.finish_reason, rec.weight_version, rec.loss_mask) == ("length", "4,5", None)
+    assert [s.num_response_tokens for s in rec.segments] == [3, 2, 2]
+    # Routes: every row of the first version-5 segment (its request held P+3 tokens, it sampled
+    # 2), then the last segment's rows after it; the version-4 segment's routes are not kept.
+    P, cut = len(prompt), len(prompt) + 3 + 2 - 1
+    assert np.array_equal(rec.routes.numpy(), np.concatenate([refs[1]["routes"], refs[2]["routes"][cut:]]))
+    assert rec.routes.shape[0] == P + 7 - 1
+    # Delivered once, with the others; those were not continued.
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.segments is None and r.finish_reason == "length" for row in out for r in row if r is not rec)
+    assert [e.reason for e in client.retry_events] == ["aborted by the server ({'type': 'abort', "
+                                                       "'message': 'Abort in waiting queue'})"]
+
+
+def test_aborted_segment_ending_on_eos_stop_id_or_budget_is_finished():
+    """SGLang takes an abort before its stop checks: a segment that ended on EOS or a stop id is
+    "stop", one that used the whole budget "length"; none is sent again."""
+    script = {(0, 0): [(3, "abort", "7", EOS)], (0, 1): [(7, "abort", "7", None)],
+              (1, 1): [(2, "abort", "7", STOP)]}
+    server = FakeSGLang(script=script)
+    out, _ = _run(server, client_kw=CONTINUE, sampling=SamplingParams(max_new_tokens=7, stop_token_ids=[STOP]))
+    assert len(server.requests) == 4
+    assert [[r.finish_reason for r in row] for row in out] == [["stop", "length"], ["length", "stop"]]
+    assert out[0][0].response_ids.tolist()[-1] == EOS and out[0][0].num_response_tokens == 3
+    assert out[0][0].segments is None  # one segment: the record as parsed
+
+
+def test_without_continue_an_aborted_sample_restarts():
+    script = {(0, 1): [(3, "abort", "7", None)]}
+    server = FakeSGLang(script=script)
+    out, client = _run(server)
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["0", "1"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "a1"]
+    assert server.payloads[rids[1]]["input_ids"] == PROMPTS[0]
+    assert server.payloads[rids[1]]["sampling_params"]["max_new_tokens"] == 7
+    assert out[0][1].response_ids.tolist() == server.refs[rids[1]]["out_ids"].tolist()
+    assert out[0][1].num_response_tokens == 7 and len(client.retry_events) == 1
+    with pytest.raises(ValueError, match="continue_aborted needs eos_token_ids"):
+        RolloutClient(["http://x"], continue_aborted=True)
