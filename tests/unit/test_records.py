@@ -31,6 +31,7 @@ from megatron_rl.rollout.records import (
     no_route,
     record_from_sglang,
     route_dtype,
+    token_versions,
     version_number,
 )
 
@@ -238,6 +239,51 @@ def test_versions_from_weight_version_spans():
     rec.versions = torch.tensor([2, 3, -1, -1, 3, 4, 4], dtype=torch.int32)
     rec.loss_mask = torch.tensor([1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
     assert rec.oldest_version == 2
+
+
+def _sglang_weight_versions():
+    """The installed SGLang's utils/weight_versions.py (the scheduler's span computation and the
+    tokenizer's meta_info writer), run from its source: importing `sglang` needs the CPU server
+    patches (triton, torchvision ops); this module needs only msgspec, and its one sglang import
+    (a pydantic schema hook) is not used here."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    path = Path(spec.origin).parent / "srt" / "utils" / "weight_versions.py"
+    src = path.read_text().replace("from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema",
+                                   "msgspec_struct_pydantic_core_schema = None")
+    mod = types.ModuleType("_sglang_weight_versions")
+    sys.modules[mod.__name__] = mod  # dataclasses looks its module up
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def test_versions_match_sglangs_own_spans():
+    """Spans made by SGLang's own code from weight-version events (a load after n output tokens
+    records (old version, n)); the record's versions are the reference per-token list."""
+    wv = _sglang_weight_versions()
+    Ev = wv.WeightVersionEvent
+    cases = [  # (events, version at finish, T, expected versions)
+        ([Ev("default", 2), Ev("4", 3)], "5", 7, [-1, -1, 4, 5, 5, 5, 5]),
+        ([Ev("3", 3)], "4", 3, [3, 3, 3]),  # loaded after the last token: no token of "4"
+        ([Ev("3", 3), Ev("4", 3)], "5", 6, [3, 3, 3, 5, 5, 5]),  # two loads between two tokens
+        (wv.truncate_weight_version_events([Ev("3", 5), Ev("4", 6)], 4), "5", 6, [3] * 4 + [5] * 2),
+        ([], "9", 7, [9] * 7),
+    ]
+    for events, current, T, expect in cases:
+        meta = {}
+        wv.add_weight_versions_to_meta_info(meta, wv.compute_weight_version_spans(events, current, T), T)
+        resp, _ = sglang_response(PROMPT, T, spans=None)
+        resp["meta_info"].update(orjson.loads(orjson.dumps(meta)))
+        rec = build(resp, PROMPT)
+        assert rec.versions.tolist() == expect and rec.weight_version == meta["weight_version"], (events, meta)
+    # A request aborted in the waiting queue: no token, one empty span.
+    meta = {}
+    wv.add_weight_versions_to_meta_info(meta, wv.compute_weight_version_spans([], "4", 0), 0)
+    assert token_versions(meta, 0).tolist() == []
 
 
 BAD_SPANS = {
