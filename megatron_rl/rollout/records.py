@@ -594,6 +594,15 @@ def same_layout(a: RolloutRecord, b: RolloutRecord) -> bool:
             and (a.versions is None) == (b.versions is None))
 
 
+def _route_version(rec: RolloutRecord) -> int:
+    """The weight version a segment's routes came from: its last token's (SGLang's routes of one
+    response come from its latest forwards: after a retract, the re-prefill computes them all;
+    a record merged from segments has the newest version's routes, which made its last token)."""
+    if rec.versions is not None and rec.versions.numel():
+        return int(rec.versions[-1])
+    return version_number(rec.weight_version.rsplit(",", 1)[-1])
+
+
 def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Sequence[int] | torch.Tensor,
                    segments: Sequence[tuple[int, RolloutRecord]], *, prompt_index: int, sample_index: int,
                    finish_reason: str | None = None, always_mask: bool = False) -> RolloutRecord:
@@ -611,8 +620,8 @@ def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Seque
       `always_mask`: an episode's record always has one);
     - `routes` (input positions [0, P+T−1)): every segment returns rows for all of its input
       positions [0, C_k+T_k−1) (C_k its request's tokens). Position p takes its row from the
-      first segment, among those covering p, of the newest weight version (`version_number` of
-      the segment's `weight_version`, the weights its routes came from) that covers p. With one
+      first segment, among those covering p, of the newest weight version that covers p (a
+      segment's version here is the one its routes came from: its last token's, `_route_version`). With one
       version this is a partition: segment k gives rows from where segment k−1's end through its
       own decoding steps (the prefill of the tokens new to it, then its steps), and the rows a
       later segment returned for earlier positions are unused (they may have been recomputed
@@ -622,8 +631,8 @@ def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Seque
       computed for every earlier position (attention carries it to later tokens), while older
       tokens stay anchored by their exact μ.
     - `finish_reason`: the last segment's unless given (the client's fix-ups of an abort);
-      `weight_version`: the segments' distinct versions in order, joined by commas when they
-      differ (never equal to one trainer version, so a check on `weight_version` treats a
+      `weight_version`: the segments' distinct versions in order (a merged segment's each),
+      joined by commas when they differ (never equal to one trainer version, so a check on `weight_version` treats a
       mixed record as stale; `versions` says which token is which); `temperature`: the
       segments' common one.
     """
@@ -683,14 +692,14 @@ def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Seque
         best = np.full(N, np.iinfo(np.int64).min, dtype=np.int64)
         for k, (off, rec) in enumerate(segments):
             e = P + off + rec.response_ids.numel() - 1
-            v = version_number(rec.weight_version)
+            v = _route_version(rec)
             newer = v > best[:e]
             owner[:e][newer] = k
             best[:e][newer] = v
         cuts = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), N]
         routes = torch.cat([segments[int(owner[a])][1].routes[a:b] for a, b in zip(cuts, cuts[1:]) if b > a])
 
-    weight_versions = list(dict.fromkeys(rec.weight_version for _, rec in segments))
+    weight_versions = list(dict.fromkeys(v for _, rec in segments for v in rec.weight_version.split(",")))
     return RolloutRecord(
         prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt.clone(),
         response_ids=response.clone(), rollout_logp=logp, topk_ids=topk_ids, topk_logp=topk_logp,

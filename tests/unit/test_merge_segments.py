@@ -163,3 +163,19 @@ def test_bad_segments_are_refused():
                           weight_version="3", temperature=0.7)
     with pytest.raises(ValueError, match="segment 1 has no token"):
         merge_segments(PROMPT, response[:3], [segs[0], (3, empty)], **kw)
+
+
+def test_a_continued_turn_counts_as_its_newest_version():
+    """An episode turn that was itself continued across a push (weight_version "3,4", routes of
+    version 4) followed by a version-4 turn: one version, so the partition."""
+    response, segs = continued([2, 1], ["3", "4"])
+    turn1 = merge_segments(PROMPT, response, segs, prompt_index=0, sample_index=0)
+    assert turn1.weight_version == "3,4" and turn1.versions.tolist() == [3, 3, 4]
+    context = PROMPT + response + [60]
+    turn2 = segment(context, [61, 62], tag=9, version="4")
+    rec = merge_segments(PROMPT, response + [60, 61, 62], [(0, turn1), (4, turn2)], prompt_index=0,
+                         sample_index=0, always_mask=True)
+    e1 = P + 3 - 1
+    assert owners(rec) == [(2, p) for p in range(e1)] + [(9, p) for p in range(e1, P + 6 - 1)]
+    assert rec.versions.tolist() == [3, 3, 4, -1, 4, 4] and rec.weight_version == "3,4"
+    assert rec.loss_mask.tolist() == [True] * 3 + [False] + [True] * 2
