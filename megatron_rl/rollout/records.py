@@ -43,6 +43,9 @@ SGLang's raw layouts and how they map:
 SGLang serializes with orjson, which writes NaN and ±inf as null; its log-probs are clamped to
 finite values first, so a null (or any non-number) where a number belongs is a malformed response.
 
+A response generated in segments (an episode's turns; a sample the client continued after an
+abort) becomes one record by `merge_segments`, which keeps the alignment above.
+
 A malformed or missing field raises `MalformedResponse(field, detail)`, `field` being its path in
 the response (e.g. `meta_info.output_token_logprobs[37][1]`); the client adds which request.
 Parsing is vectorised: the nested lists orjson builds are read column-wise by C-level iteration

@@ -4,7 +4,8 @@ Responses are built here the way SGLang 0.5.23 builds them (tokenizer_manager.py
 null] triples, base64 int32 routes; orjson) from known arrays, which are the reference. The
 client tests serve such bodies from a small local aiohttp app: what they test is the client's
 side (request identity in errors, no retry of a server bug, on_record, concurrency cap,
-derived timeouts), which needs answers a real server would not give on demand. SGLang's own
+derived timeouts, continuing aborted samples), which needs answers a real server would not give
+on demand. SGLang's own
 answers are checked against HF in tests/e2e/test_sglang_rollout.py.
 """
 
