@@ -17,8 +17,9 @@ key is ever produced twice — whatever happens to the servers:
   segment k ≥ 1), until a segment ends on its own ("stop" / "length"). An aborted segment whose
   last token is an EOS (`eos_token_ids`) or a stop id ends the sample as "stop" (SGLang takes the
   abort before its stop checks, so such a token comes back as "abort"); one that used up the
-  budget ends it as "length"; one with no token (aborted while queued) is re-sent unchanged, as
-  a retry. Each segment is retried on its own (a dead server costs only the segment in flight);
+  budget ends it as "length"; one with no token (aborted while queued), or without the routes
+  asked for (queued after a retraction: the tokenizer answers it), is re-sent unchanged, as a
+  retry. Each segment is retried on its own (a dead server costs only the segment in flight);
   the segments become ONE record (`records.merge_segments`: μ, top-K and versions per token from
   the segment that produced it, routes from the newest weight version), delivered once;
 - the attempt on a server that timed out but is still alive is aborted there (`/abort_request`
@@ -489,7 +490,11 @@ class RolloutClient:
         if finish_reason(out) == "abort":
             if self._aborted.is_set():
                 raise GenerationAborted("generation aborted")
-            if keep_partial and isinstance(out.get("output_ids"), list) and out["output_ids"]:
+            # Continued only with its tokens' routes: a request aborted in the waiting queue after
+            # a retraction (KV pressure) is answered by the tokenizer, with no routes (the module
+            # docstring); it is re-sent from the tokens before it instead.
+            if (keep_partial and isinstance(out.get("output_ids"), list) and out["output_ids"]
+                    and (not payload.get("return_routed_experts") or out["meta_info"].get("routed_experts") is not None)):
                 return out
             raise _Retryable(f"aborted by the server ({out['meta_info']['finish_reason']})",
                              server_down=False)

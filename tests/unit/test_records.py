@@ -346,7 +346,8 @@ class FakeSGLang:
     def __init__(self, mutate=None, hold=None, delay=0.0, body=None, script=None):
         self.mutate, self.hold, self.delay, self.body = mutate or {}, hold or {}, delay, body
         # script[(i, j)]: the answers to that sample's successive requests, each (T, finish,
-        # weight version, last token or None); then the default (7 tokens, "length", "7").
+        # weight version, last token or None[, mutation of the answer]); then the default
+        # (7 tokens, "length", "7").
         self.script = {k: list(v) for k, v in (script or {}).items()}
         self.requests: list[str] = []
         self.payloads: dict[str, dict] = {}  # rid: the request
@@ -371,7 +372,7 @@ class FakeSGLang:
         if self.body is not None:
             return web.Response(body=self.body, content_type="application/json")
         self.payloads[req["rid"]] = req
-        T, finish, version, last = self.script[key].pop(0) if self.script.get(key) else (7, "length", "7", None)
+        T, finish, version, last, *edit = self.script[key].pop(0) if self.script.get(key) else (7, "length", "7", None)
         if T == 0:  # aborted while queued (tokenizer_manager._handle_abort_req): no token, no route
             meta = {"id": req["rid"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
                     "weight_version": version, "prompt_tokens": len(req["input_ids"]), "completion_tokens": 0,
@@ -386,6 +387,8 @@ class FakeSGLang:
             resp["output_ids"][-1] = resp["meta_info"]["output_token_logprobs"][-1][1] = last
             ref["out_ids"][-1] = last
         self.refs[req["rid"]] = ref
+        for f in edit:
+            f(resp)
         if key in self.mutate:
             self.mutate[key](resp)
         return web.Response(body=orjson.dumps(resp), content_type="application/json")
@@ -598,6 +601,24 @@ def test_aborted_segment_ending_on_eos_stop_id_or_budget_is_finished():
     assert [[r.finish_reason for r in row] for row in out] == [["stop", "length"], ["length", "stop"]]
     assert out[0][0].response_ids.tolist()[-1] == EOS and out[0][0].num_response_tokens == 3
     assert out[0][0].segments is None  # one segment: the record as parsed
+
+
+def test_aborted_segment_without_routes_is_sent_again():
+    """An abort answered by the tokenizer for a request queued after a retraction holds tokens
+    but no routes: that segment is re-sent from the tokens before it, not continued or parsed."""
+    drop_routes = _set([MI, "routed_experts"])
+    script = {(0, 0): [(2, "abort", "4", None), (3, "abort", "4", None, lambda r: drop_routes(r, KeyError)),
+                       (5, "length", "5", None)]}
+    server = FakeSGLang(script=script)
+    out, client = _run(server, client_kw=CONTINUE)
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["0", "0"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "s1a0", "s1a1"]
+    first = server.refs[rids[0]]["out_ids"].tolist()
+    assert server.payloads[rids[2]]["input_ids"] == PROMPTS[0] + first
+    assert server.payloads[rids[2]]["sampling_params"]["max_new_tokens"] == 5
+    rec = out[0][0]
+    assert rec.response_ids.tolist() == first + server.refs[rids[2]]["out_ids"].tolist()
+    assert rec.versions.tolist() == [4, 4, 5, 5, 5, 5, 5] and len(client.retry_events) == 1
 
 
 def test_without_continue_an_aborted_sample_restarts():
