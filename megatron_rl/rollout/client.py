@@ -493,8 +493,8 @@ class RolloutClient:
             # Continued only with its tokens' routes: a request aborted in the waiting queue after
             # a retraction (KV pressure) is answered by the tokenizer, with no routes (the module
             # docstring); it is re-sent from the tokens before it instead.
-            if (keep_partial and isinstance(out.get("output_ids"), list) and out["output_ids"]
-                    and (not payload.get("return_routed_experts") or out["meta_info"].get("routed_experts") is not None)):
+            routed = not payload.get("return_routed_experts") or out["meta_info"].get("routed_experts") is not None
+            if keep_partial and isinstance(out.get("output_ids"), list) and out["output_ids"] and routed:
                 return out
             raise _Retryable(f"aborted by the server ({out['meta_info']['finish_reason']})",
                              server_down=False)
