@@ -10,7 +10,18 @@ key is ever produced twice — whatever happens to the servers:
   to `backoff_max`); a down server is probed on `/health` and comes back into rotation once it
   answers (an `EngineManager` restarts dead servers on the same port);
 - a sample that the server aborted without us asking (e.g. `/pause_generation` in abort mode
-  around a weight update) is retried the same way, without marking the server down;
+  around a weight update) is retried the same way, without marking the server down — unless the
+  client continues aborted samples (`continue_aborted`, partial rollouts): then the tokens the
+  aborted request produced are kept, and the sample goes on as a new request of prompt + those
+  tokens, with the remaining budget and the same `sampling_seed` (rid `…-s{k}a{attempt}` for
+  segment k ≥ 1), until a segment ends on its own ("stop" / "length"). An aborted segment whose
+  last token is an EOS (`eos_token_ids`) or a stop id ends the sample as "stop" (SGLang takes the
+  abort before its stop checks, so such a token comes back as "abort"); one that used up the
+  budget ends it as "length"; one with no token (aborted while queued), or without the routes
+  asked for (queued after a retraction: the tokenizer answers it), is re-sent unchanged, as a
+  retry. Each segment is retried on its own (a dead server costs only the segment in flight);
+  the segments become ONE record (`records.merge_segments`: μ, top-K and versions per token from
+  the segment that produced it, routes from the newest weight version), delivered once;
 - the attempt on a server that timed out but is still alive is aborted there (`/abort_request`
   with its rid), so a late answer cannot come back as a second sample;
 - 4xx answers (a bad request) are not retried: they raise at once with the server's message;
@@ -68,7 +79,14 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from .records import MalformedResponse, RolloutRecord, finish_reason, record_from_sglang, split_bulk_fields
+from .records import (
+    MalformedResponse,
+    RolloutRecord,
+    finish_reason,
+    merge_segments,
+    record_from_sglang,
+    split_bulk_fields,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -338,18 +356,28 @@ class RolloutClient:
     `moe_topk`, `num_experts`: the router's top-k (num_experts_per_tok) and the experts per MoE
     layer, both needed to decode routed experts (ids are checked against num_experts, and
     num_experts picks the routes' dtype: records.route_dtype).
+    `continue_aborted`: continue a sample the server aborted (a pause around a weight push) from
+    its tokens so far instead of restarting it (module docstring); needs `eos_token_ids`, the
+    model's EOS ids (tokenizer and generation_config), to tell an aborted segment that ended on
+    one.
     """
 
     def __init__(self, servers: Sequence[str] | ServerPool, *, request_timeout: float | None = None,
                  connect_timeout: float = 10.0, max_attempts: int = 6,
                  backoff_initial: float = 0.5, backoff_max: float = 8.0,
                  server_wait_timeout: float = 300.0, max_inflight_per_server: int = 64,
-                 moe_topk: int | None = None, num_experts: int | None = None):
+                 moe_topk: int | None = None, num_experts: int | None = None,
+                 continue_aborted: bool = False, eos_token_ids: Sequence[int] = ()):
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout = {request_timeout}: seconds > 0, or None to derive it "
                              "from max_new_tokens")
         if max_inflight_per_server < 1:
             raise ValueError(f"max_inflight_per_server = {max_inflight_per_server}: at least 1")
+        if continue_aborted and not eos_token_ids:
+            raise ValueError("continue_aborted needs eos_token_ids (the model's EOS ids): an aborted "
+                             "segment that ended on one is finished, not continued")
+        self.continue_aborted = continue_aborted
+        self.eos_token_ids = frozenset(int(x) for x in eos_token_ids)
         self._urls: Callable[[], list[str]] = (
             (lambda: list(servers)) if isinstance(servers, (list, tuple)) else servers.urls)
         self.request_timeout = request_timeout
@@ -431,7 +459,10 @@ class RolloutClient:
             delay = min(2 * delay, self.backoff_max)
 
     # --- generation -------------------------------------------------------------------------
-    async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate") -> Any:
+    async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate",
+                       keep_partial: bool = False) -> Any:
+        """One request. A server-side abort is retryable, or with `keep_partial` an answer when
+        it holds tokens (the caller continues from them)."""
         api = self.server(url)
         try:
             out = await api.post(route, payload, timeout=timeout,
@@ -459,6 +490,12 @@ class RolloutClient:
         if finish_reason(out) == "abort":
             if self._aborted.is_set():
                 raise GenerationAborted("generation aborted")
+            # Continued only with its tokens' routes: a request aborted in the waiting queue after
+            # a retraction (KV pressure) is answered by the tokenizer, with no routes (the module
+            # docstring); it is re-sent from the tokens before it instead.
+            routed = not payload.get("return_routed_experts") or out["meta_info"].get("routed_experts") is not None
+            if keep_partial and isinstance(out.get("output_ids"), list) and out["output_ids"] and routed:
+                return out
             raise _Retryable(f"aborted by the server ({out['meta_info']['finish_reason']})",
                              server_down=False)
         return out
@@ -492,21 +529,22 @@ class RolloutClient:
                       on_record: Callable[[RolloutRecord], Any] | None) -> RolloutRecord:
         seed = None if sampling.seed is None else sampling.seed + i * n + j
         what = f"sample (prompt {i}, sample {j})"
+        ids, budget, k = list(prompt), sampling.max_new_tokens, 0
 
         async def call(url: str, attempt: int) -> RolloutRecord:
-            rid = f"{batch}-{i}-{j}-a{attempt}"
-            payload = dict(payload_base, input_ids=prompt, rid=rid,
-                           sampling_params=sampling.to_sglang(seed))
+            rid = f"{batch}-{i}-{j}-a{attempt}" if k == 0 else f"{batch}-{i}-{j}-s{k}a{attempt}"
+            payload = dict(payload_base, input_ids=ids, rid=rid,
+                           sampling_params=dataclasses.replace(sampling, max_new_tokens=budget).to_sglang(seed))
             sem.setdefault(url, asyncio.Semaphore(self.max_inflight_per_server))
             try:
                 async with sem[url]:
                     self._inflight.setdefault(url, {})[rid] = (i, j)
                     try:
-                        out = await self._attempt(url, payload, timeout)
+                        out = await self._attempt(url, payload, timeout, keep_partial=self.continue_aborted)
                     finally:
                         self._inflight[url].pop(rid, None)
                 # Parsed outside the semaphore: the slot goes to the next request meanwhile.
-                return record_from_sglang(out, prompt_ids=prompt, prompt_index=i, sample_index=j,
+                return record_from_sglang(out, prompt_ids=ids, prompt_index=i, sample_index=j,
                                           temperature=sampling.temperature, top_k=top_k,
                                           moe_topk=self.moe_topk if routed else None,
                                           num_experts=self.num_experts if routed else None)
@@ -514,7 +552,27 @@ class RolloutClient:
                 raise RolloutError(f"{what}: request {rid} to {url}/generate got a malformed "
                                    f"response (a server bug; not retried): {e.field}: {e.detail}") from e
 
-        record = await self._retrying(what, i, j, call)
+        # Segments: one unless the server aborts the sample and continue_aborted keeps its tokens.
+        segments: list[tuple[int, RolloutRecord]] = []
+        stops = self.eos_token_ids | set(sampling.stop_token_ids or ())
+        while True:
+            seg = await self._retrying(what if k == 0 else f"{what} segment {k}", i, j, call)
+            segments.append((len(ids) - len(prompt), seg))
+            ids += seg.response_ids.tolist()
+            budget -= seg.num_response_tokens
+            finish = seg.finish_reason
+            if finish == "abort":  # records.py's finish kinds; the fix-ups in the module docstring
+                finish = "stop" if ids[-1] in stops else "length" if budget <= 0 else None
+            if finish is not None:
+                break
+            k += 1
+        if len(segments) == 1:
+            record = seg
+            record.finish_reason = finish
+        else:
+            record = merge_segments(prompt, ids[len(prompt):], segments, prompt_index=i, sample_index=j,
+                                    finish_reason=finish)
+            record.segments = [s for _, s in segments]
         if on_record is not None:
             on_record(record)
         return record

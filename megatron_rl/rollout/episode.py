@@ -16,11 +16,14 @@ episode is ONE `RolloutRecord`: `prompt_ids` the prompt, `response_ids` model tu
 tokens + model turn 2 + ..., and `loss_mask` True on the model's tokens only.
 
 Alignment (records.py's rule: row t of every per-token field belongs to the step that produced
-`response_ids[t]`, input position P−1+t):
+`response_ids[t]`, input position P−1+t; `records.merge_segments` builds the record, the same
+rule as a sample continued after an abort):
 - model tokens: μ and top-K rows are the turn's own, as SGLang returned them;
 - environment tokens: `loss_mask` False, μ 0, top-K ids −1 with log-probs 0 (what prompt rows hold
   in a batch: the learner drops negative ids, and the loss never reads the row);
-- `routes` covers every input position [0, P+T−1) as a partition over the turns: turn k (whose
+- environment tokens' `versions` (per-token weight versions) are −1 (UNKNOWN_VERSION);
+- `routes` covers every input position [0, P+T−1) as a partition over the turns (of one weight
+  version; after a version change the newer version's rows win, merge_segments): turn k (whose
   request held the C_k tokens so far and which sampled T_k) gives the rows from the end of the
   previous turn's rows up to C_k+T_k−1 — the prefill of the tokens new to it (the previous turn's
   last token, the environment tokens since) and its own decoding steps; turn 1 also gives the
@@ -55,11 +58,10 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Optional
 
-import torch
 
 from megatron_rl.plugins import load_object
 from megatron_rl.rollout.client import GenerationAborted, RolloutClient, RolloutError, SamplingParams
-from megatron_rl.rollout.records import RolloutRecord
+from megatron_rl.rollout.records import RolloutRecord, merge_segments, same_layout
 
 TURN_SEED_STRIDE = 1_000_003
 """Seed offset between an episode's turns (prime, far above any round's prompts × samples)."""
@@ -102,8 +104,6 @@ class Episode:
         """Set it to score the episode yourself (the reward pool is then not asked)."""
         self._sampler = sampler
         self._turns: list[tuple[int, RolloutRecord]] = []  # (offset in the response, record)
-        self._route_parts: list[torch.Tensor] = []
-        self._route_rows = 0  # input positions covered by _route_parts
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -149,23 +149,12 @@ class Episode:
             raise ValueError(f"turn {len(self._turns)}: its request held {record.prompt_ids.numel()} tokens "
                              f"that are not the episode's {len(self.ids)} tokens so far; a turn must "
                              "continue the episode")
-        if self._turns:
-            first = self._turns[0][1]
-            same = (record.temperature == first.temperature
-                    and (record.topk_ids is None) == (first.topk_ids is None)
-                    and (record.topk_ids is None or record.topk_ids.shape[1] == first.topk_ids.shape[1])
-                    and (record.routes is None) == (first.routes is None)
-                    and (record.routes is None or (record.routes.dtype == first.routes.dtype
-                                                   and record.routes.shape[1:] == first.routes.shape[1:])))
-            if not same:
-                raise ValueError(f"turn {len(self._turns)} was sampled with another temperature, top-K "
-                                 "width or routes layout than turn 0; an episode's turns share them")
-        C, T = record.prompt_ids.numel(), record.response_ids.numel()
-        if record.routes is not None:
-            # This turn's rows: from where the previous turn's end (the prefill of the tokens new
-            # to it) through its own decoding steps (the module docstring).
-            self._route_parts.append(record.routes[self._route_rows:C + T - 1])
-            self._route_rows = C + T - 1
+        # Checked here as well as in merge_segments: the user's function gets the error at the
+        # turn that caused it.
+        if self._turns and not same_layout(self._turns[0][1], record):
+            raise ValueError(f"turn {len(self._turns)} was sampled with another temperature, top-K "
+                             "width, routes layout or versions presence than turn 0; an episode's "
+                             "turns share them")
         self._turns.append((len(self.response_ids), record))
         ids = record.response_ids.tolist()
         self.response_ids += ids
@@ -196,32 +185,8 @@ class Episode:
                                "turn: the episode function must call episode.generate() at least once")
         off, last = self._turns[-1]
         T = off + last.response_ids.numel()  # the response ends with the last model turn
-        first = self._turns[0][1]
-        mask = torch.zeros(T, dtype=torch.bool)
-        logp = torch.zeros(T, dtype=torch.float32)
-        topk_ids = topk_logp = None
-        if first.topk_ids is not None:
-            K = first.topk_ids.shape[1]
-            topk_ids = torch.full((T, K), -1, dtype=torch.int32)
-            topk_logp = torch.zeros(T, K, dtype=torch.float32)
-        for off, rec in self._turns:
-            rows = slice(off, off + rec.response_ids.numel())
-            mask[rows] = True
-            logp[rows] = rec.rollout_logp
-            if topk_ids is not None:
-                topk_ids[rows], topk_logp[rows] = rec.topk_ids, rec.topk_logp
-        routes = None
-        if self._route_parts:
-            routes = torch.cat(self._route_parts)
-            assert routes.shape[0] == len(self.prompt_ids) + T - 1, (routes.shape, len(self.prompt_ids), T)
-        versions = list(dict.fromkeys(rec.weight_version for _, rec in self._turns))
-        return RolloutRecord(
-            prompt_index=prompt_index, sample_index=sample_index,
-            prompt_ids=torch.tensor(self.prompt_ids, dtype=torch.int64),
-            response_ids=torch.tensor(self.response_ids[:T], dtype=torch.int64),
-            rollout_logp=logp, topk_ids=topk_ids, topk_logp=topk_logp, routes=routes,
-            finish_reason=last.finish_reason, weight_version=",".join(versions),
-            temperature=first.temperature, loss_mask=mask)
+        return merge_segments(self.prompt_ids, self.response_ids[:T], self._turns, prompt_index=prompt_index,
+                              sample_index=sample_index, always_mask=True)
 
 
 def _name(fn) -> str:

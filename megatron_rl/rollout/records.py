@@ -32,8 +32,19 @@ SGLang's raw layouts and how they map:
   P−1..P+T−2, i.e. exactly the step that produced each response token. Prefix-cache hits do
   not change this: SGLang keeps routing beside the cached KV entries.
 - `meta_info.finish_reason`: {"type": "stop" | "length" | "abort", ...} (or the bare string).
+- `meta_info.weight_versions`: [{version, start, end}] spans tiling the output tokens [0, T) in
+  order: tokens start..end−1 were produced under weights `version` (SGLang appends a span at
+  every weight load that happens while the request has output, utils/weight_versions.py, and
+  sets `meta_info.weight_version` to the last span's version). → `versions` [T] int32 via
+  `version_number`: our trainer names versions by step ("0", "1", ...), so a canonical decimal
+  in [0, 2^31) is its number and anything else — a fresh server's "default", evaluate.py's
+  "eval", "" — is `UNKNOWN_VERSION` (−1), which no trainer step equals, so such tokens always
+  count as stale. A server without spans gives every token `meta_info.weight_version`.
 SGLang serializes with orjson, which writes NaN and ±inf as null; its log-probs are clamped to
 finite values first, so a null (or any non-number) where a number belongs is a malformed response.
+
+A response generated in segments (an episode's turns; a sample the client continued after an
+abort) becomes one record by `merge_segments`, which keeps the alignment above.
 
 A malformed or missing field raises `MalformedResponse(field, detail)`, `field` being its path in
 the response (e.g. `meta_info.output_token_logprobs[37][1]`); the client adds which request.
@@ -46,7 +57,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from array import array
+from collections.abc import Sequence
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -61,6 +74,19 @@ NO_ROUTE_U8 = 255
 NO_ROUTE_I16 = -1
 """The "no route" value of int16 routes."""
 _MAX_EXPERTS_I16 = 2 ** 15 - 1
+
+UNKNOWN_VERSION = -1
+"""`versions` value of a token whose weights are not a trainer step (a fresh server's "default",
+any non-numeric version) and of an episode's environment tokens (no weights produced them)."""
+_VERSION = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical: "07" or "+7" never equals str(step)
+
+
+def version_number(version: Any) -> int:
+    """A weight version string → its trainer step (a canonical decimal in [0, 2^31)), else
+    `UNKNOWN_VERSION`."""
+    if isinstance(version, str) and _VERSION.fullmatch(version) and int(version) < 2 ** 31:
+        return int(version)
+    return UNKNOWN_VERSION
 
 
 def route_dtype(num_experts: int) -> torch.dtype:
@@ -135,6 +161,14 @@ class RolloutRecord:
     (tool outputs, user turns: an episode's environment tokens, rollout/episode.py). None: every
     response token is the model's (a single sampled response). Environment rows carry μ 0, top-K
     ids −1 with log-probs 0, and the routes the engine used when it read them."""
+    versions: torch.Tensor | None = None
+    """[T] int32: the weight version (trainer step, `version_number`) that produced
+    `response_ids[t]`, from SGLang's per-token spans; `UNKNOWN_VERSION` (−1) for a version that is
+    no step and for environment tokens. None: not recorded (records built by hand)."""
+    segments: list[RolloutRecord] | None = dataclasses.field(default=None, repr=False, compare=False)
+    """A sample the client continued after aborts (`continue_aborted`): its segments' own records,
+    whose routes of older weight versions the merged record does not keep (merge_segments); for
+    tests and diagnostics, never batched. None otherwise."""
 
     def __post_init__(self):
         P, T = self.prompt_ids.numel(), self.response_ids.numel()
@@ -163,10 +197,27 @@ class RolloutRecord:
             if not bool(self.loss_mask.any()):
                 raise ValueError(f"{where}: loss_mask marks no response token as the model's; an "
                                  "episode needs at least one model turn")
+        if self.versions is not None:
+            if self.versions.dtype != torch.int32 or self.versions.shape != (T,):
+                raise ValueError(f"{where}: versions must be [T={T}] int32, got "
+                                 f"{tuple(self.versions.shape)} {self.versions.dtype}")
+            if T and int(self.versions.min()) < UNKNOWN_VERSION:
+                raise ValueError(f"{where}: versions holds {int(self.versions.min())}; a version is a "
+                                 f"trainer step ≥ 0 or UNKNOWN_VERSION ({UNKNOWN_VERSION})")
 
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_ids.numel())
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest weight version among the model's tokens (`loss_mask` rows; all rows without
+        one): `UNKNOWN_VERSION` when any of them has no known version; None without `versions`
+        or tokens."""
+        if self.versions is None:
+            return None
+        v = self.versions if self.loss_mask is None else self.versions[self.loss_mask]
+        return int(v.min()) if v.numel() else None
 
     @property
     def routed_experts(self) -> torch.Tensor | None:
@@ -414,6 +465,47 @@ def finish_reason(response: Any) -> str:
     return kind
 
 
+def token_versions(meta: dict[str, Any], T: int) -> np.ndarray:
+    """[T] int32 weight version of each output token from `meta_info.weight_versions` (spans
+    tiling [0, T); `version_number` of each); without spans, every token gets
+    `meta_info.weight_version`. A loop runs per span (one per weight load during the request),
+    never per token. Raises MalformedResponse naming the first bad span."""
+    newest = str(meta.get("weight_version", ""))
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return np.full(T, version_number(newest), dtype=np.int32)
+    field = "meta_info.weight_versions"
+    if type(spans) is not list or not spans:
+        raise MalformedResponse(field, "expected a non-empty list of {version, start, end} spans, got "
+                                f"{_describe(spans)}")
+    numbers, lengths, at = [], [], 0
+    for s, span in enumerate(spans):
+        path = f"{field}[{s}]"
+        if type(span) is not dict:
+            raise MalformedResponse(path, f"expected {{version, start, end}}, got {_describe(span)}")
+        version, start, end = span.get("version"), span.get("start"), span.get("end")
+        if not isinstance(version, str):
+            raise MalformedResponse(f"{path}.version", f"expected a version string, got {_describe(version)}")
+        for name, x in (("start", start), ("end", end)):
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise MalformedResponse(f"{path}.{name}", f"expected a token index, got {_describe(x)}")
+        if start != at:
+            raise MalformedResponse(f"{path}.start", f"is {start}, expected {at}: the spans must tile the "
+                                    f"{T} output tokens in order, each starting where the previous ended")
+        if not start < end <= T and not start == end == T == 0:
+            raise MalformedResponse(f"{path}.end", f"is {end}: a span ends after its start ({start}) and "
+                                    f"at most at the {T} output tokens")
+        numbers.append(version_number(version))
+        lengths.append(end - start)
+        at = end
+    if at != T:
+        raise MalformedResponse(field, f"cover output tokens [0, {at}), not all {T} (output_ids)")
+    if spans[-1]["version"] != newest:
+        raise MalformedResponse("meta_info.weight_version", f"{newest!r} differs from the last span's "
+                                f"version {spans[-1]['version']!r} (SGLang sets it to that)")
+    return np.repeat(np.array(numbers, dtype=np.int32), lengths)
+
+
 def record_from_sglang(
     response: dict[str, Any],
     *,
@@ -476,6 +568,7 @@ def record_from_sglang(
             raise MalformedResponse("meta_info.routed_experts", "missing: start the server with "
                                     "--enable-return-routed-experts")
         routes = decode_routed_experts(b64, P + T - 1, moe_topk, num_experts)
+    versions = torch.from_numpy(token_versions(meta, T))
 
     return RolloutRecord(
         prompt_index=prompt_index,
@@ -489,4 +582,130 @@ def record_from_sglang(
         finish_reason=kind,
         weight_version=str(meta.get("weight_version", "")),
         temperature=float(temperature),
+        versions=versions,
     )
+
+
+def same_layout(a: RolloutRecord, b: RolloutRecord) -> bool:
+    """Whether two records can be segments of one record: the same temperature (the learner
+    divides its logits by one), top-K width and routes layout."""
+    return (a.temperature == b.temperature
+            and (a.topk_ids is None) == (b.topk_ids is None)
+            and (a.topk_ids is None or a.topk_ids.shape[1] == b.topk_ids.shape[1])
+            and (a.routes is None) == (b.routes is None)
+            and (a.routes is None or (a.routes.dtype == b.routes.dtype and a.routes.shape[1:] == b.routes.shape[1:]))
+            and (a.versions is None) == (b.versions is None))
+
+
+def _route_version(rec: RolloutRecord) -> int:
+    """The weight version a segment's routes came from: its last token's (SGLang's routes of one
+    response come from its latest forwards: after a retract, the re-prefill computes them all;
+    a record merged from segments has the newest version's routes, which made its last token)."""
+    if rec.versions is not None and rec.versions.numel():
+        return int(rec.versions[-1])
+    return version_number(rec.weight_version.rsplit(",", 1)[-1])
+
+
+def merge_segments(prompt_ids: Sequence[int] | torch.Tensor, response_ids: Sequence[int] | torch.Tensor,
+                   segments: Sequence[tuple[int, RolloutRecord]], *, prompt_index: int, sample_index: int,
+                   finish_reason: str | None = None, always_mask: bool = False) -> RolloutRecord:
+    """ONE record of a response generated in segments: the one merge rule of an episode's turns
+    (rollout/episode.py) and of a sample continued after an abort (prompt + its tokens so far,
+    re-submitted with the remaining budget: a turn with no environment tokens before it).
+
+    `segments`: (offset in `response_ids`, record) in order; each record is one response to
+    exactly `prompt_ids + response_ids[:offset]` and its tokens are `response_ids[offset:...]`.
+    Tokens between segments are environment tokens (no weights produced them); `response_ids`
+    ends with the last segment. Every per-token row keeps records.py's alignment:
+    - μ, top-K and `versions` rows are the producing segment's rows at its offset; environment
+      rows hold μ 0, top-K ids −1 with log-probs 0, version `UNKNOWN_VERSION`;
+    - `loss_mask` is True on segment rows, None when there is no environment token (unless
+      `always_mask`: an episode's record always has one);
+    - `routes` (input positions [0, P+T−1)): every segment returns rows for all of its input
+      positions [0, C_k+T_k−1) (C_k its request's tokens). Position p takes its row from the
+      first segment, among those covering p, of the newest weight version that covers p (a
+      segment's version here is the one its routes came from: its last token's, `_route_version`). With one
+      version this is a partition: segment k gives rows from where segment k−1's end through its
+      own decoding steps (the prefill of the tokens new to it, then its steps), and the rows a
+      later segment returned for earlier positions are unused (they may have been recomputed
+      after a prefix-cache eviction; the earlier segment's rows are the ones its log-probs came
+      from). After a weight change the whole prefix up to the first newer-version segment comes
+      from that segment: replaying the newest version's tokens needs the routing that version
+      computed for every earlier position (attention carries it to later tokens), while older
+      tokens stay anchored by their exact μ.
+    - `finish_reason`: the last segment's unless given (the client's fix-ups of an abort);
+      `weight_version`: the segments' distinct versions in order (a merged segment's each),
+      joined by commas when they differ (never equal to one trainer version, so a check on `weight_version` treats a
+      mixed record as stale; `versions` says which token is which); `temperature`: the
+      segments' common one.
+    """
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.int64).flatten()
+    response = torch.as_tensor(response_ids, dtype=torch.int64).flatten()
+    P, T = prompt.numel(), response.numel()
+    where = f"merge_segments (prompt {prompt_index}, sample {sample_index})"
+    if not segments:
+        raise ValueError(f"{where}: no segment (a response needs at least one sampled segment)")
+    first = segments[0][1]
+    end = 0
+    for k, (off, rec) in enumerate(segments):
+        Tk = rec.response_ids.numel()
+        if Tk == 0:
+            raise ValueError(f"{where}: segment {k} has no token (drop empty segments before merging)")
+        if off < end:
+            raise ValueError(f"{where}: segment {k} starts at response offset {off}, inside the previous "
+                             f"segment (which ends at {end}); segments come in order, not overlapping")
+        if k and not same_layout(first, rec):
+            raise ValueError(f"{where}: segment {k} was sampled with another temperature, top-K width, routes "
+                             "layout or versions presence than segment 0; a record's segments share them")
+        if off + Tk > T or not torch.equal(rec.response_ids, response[off:off + Tk]):
+            raise ValueError(f"{where}: segment {k}'s {Tk} tokens are not response_ids[{off}:{off + Tk}]")
+        C = rec.prompt_ids.numel()
+        if C != P + off or not (torch.equal(rec.prompt_ids[:P], prompt)
+                                and torch.equal(rec.prompt_ids[P:], response[:off])):
+            raise ValueError(f"{where}: segment {k}'s request held {C} tokens that are not the prompt and the "
+                             f"{off} response tokens before it; a segment continues the response so far")
+        end = off + Tk
+    if end != T:
+        raise ValueError(f"{where}: the response has {T} tokens but the last segment ends at {end} (drop "
+                         "environment tokens after the last segment: no model token reads them)")
+
+    mask = torch.zeros(T, dtype=torch.bool)
+    logp = torch.zeros(T, dtype=torch.float32)
+    topk_ids = topk_logp = versions = None
+    if first.topk_ids is not None:
+        topk_ids = torch.full((T, first.topk_ids.shape[1]), -1, dtype=torch.int32)
+        topk_logp = torch.zeros(T, first.topk_ids.shape[1], dtype=torch.float32)
+    if first.versions is not None:
+        versions = torch.full((T,), UNKNOWN_VERSION, dtype=torch.int32)
+    for off, rec in segments:
+        rows = slice(off, off + rec.response_ids.numel())
+        mask[rows] = True
+        logp[rows] = rec.rollout_logp
+        if topk_ids is not None:
+            topk_ids[rows], topk_logp[rows] = rec.topk_ids, rec.topk_logp
+        if versions is not None:
+            versions[rows] = rec.versions
+
+    routes = None
+    if first.routes is not None:
+        # owner[p]: the segment whose row p is kept (the docstring's rule), by one vectorised
+        # update per segment; strictly newer wins, so the first segment of a version keeps its rows.
+        N = P + T - 1
+        owner = np.full(N, -1, dtype=np.int64)
+        best = np.full(N, np.iinfo(np.int64).min, dtype=np.int64)
+        for k, (off, rec) in enumerate(segments):
+            e = P + off + rec.response_ids.numel() - 1
+            v = _route_version(rec)
+            newer = v > best[:e]
+            owner[:e][newer] = k
+            best[:e][newer] = v
+        cuts = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), N]
+        routes = torch.cat([segments[int(owner[a])][1].routes[a:b] for a, b in zip(cuts, cuts[1:]) if b > a])
+
+    weight_versions = list(dict.fromkeys(v for _, rec in segments for v in rec.weight_version.split(",")))
+    return RolloutRecord(
+        prompt_index=prompt_index, sample_index=sample_index, prompt_ids=prompt.clone(),
+        response_ids=response.clone(), rollout_logp=logp, topk_ids=topk_ids, topk_logp=topk_logp,
+        routes=routes, finish_reason=segments[-1][1].finish_reason if finish_reason is None else finish_reason,
+        weight_version=",".join(weight_versions), temperature=first.temperature,
+        loss_mask=mask if always_mask or not bool(mask.all()) else None, versions=versions)

@@ -4,7 +4,8 @@ Responses are built here the way SGLang 0.5.23 builds them (tokenizer_manager.py
 null] triples, base64 int32 routes; orjson) from known arrays, which are the reference. The
 client tests serve such bodies from a small local aiohttp app: what they test is the client's
 side (request identity in errors, no retry of a server bug, on_record, concurrency cap,
-derived timeouts), which needs answers a real server would not give on demand. SGLang's own
+derived timeouts, continuing aborted samples), which needs answers a real server would not give
+on demand. SGLang's own
 answers are checked against HF in tests/e2e/test_sglang_rollout.py.
 """
 
@@ -23,19 +24,24 @@ from megatron_rl.rollout import client as client_mod
 from megatron_rl.rollout.client import RolloutClient, RolloutError, SamplingParams, request_timeout_s
 from megatron_rl.rollout.records import (
     NO_ROUTE_U8,
+    UNKNOWN_VERSION,
     MalformedResponse,
+    RolloutRecord,
     decode_routed_experts,
     force_sampled_into_topk,
     no_route,
     record_from_sglang,
     route_dtype,
+    token_versions,
+    version_number,
 )
 
 L, KR, E, K = 3, 2, 8, 4  # MoE layers, router top-k, experts, top-K log-probs
 
 
-def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length"):
-    """(response as orjson parses SGLang's body, reference arrays)."""
+def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length", spans=(("7", 0, None),)):
+    """(response as orjson parses SGLang's body, reference arrays). `spans`: (version, start, end)
+    as SGLang's `meta_info.weight_versions` (end None: T); None leaves them out (an older server)."""
     g = np.random.default_rng(seed)
     P = len(prompt)
     out_ids = g.integers(0, 1000, T)
@@ -50,6 +56,9 @@ def sglang_response(prompt, T, *, seed=0, top_k=K, experts=E, finish="length"):
             "output_top_logprobs": [[[float(a), int(b), None] for a, b in zip(ra, rb)]
                                     for ra, rb in zip(top_lp, top_ids)],
             "routed_experts": base64.b64encode(routes.astype(np.int32).tobytes()).decode()}
+    if spans is not None:  # utils/weight_versions.py: add_weight_versions_to_meta_info
+        meta["weight_versions"] = [{"version": v, "start": a, "end": T if b is None else b} for v, a, b in spans]
+        meta["weight_version"] = spans[-1][0]
     body = orjson.dumps({"text": "...", "output_ids": out_ids.tolist(), "meta_info": meta})
     return orjson.loads(body), dict(out_ids=out_ids, logp=logp, top_ids=top_ids, top_lp=top_lp,
                                     routes=routes)
@@ -87,6 +96,8 @@ def test_record_fields_layouts_and_dtypes():
     base = rec.routes.untyped_storage().data_ptr()
     assert rec.routed_experts.untyped_storage().data_ptr() == base == rec.prompt_routed_experts.untyped_storage().data_ptr()
     assert rec.routed_experts.data_ptr() == rec.routes[P - 1].data_ptr()
+    # One weight version for the whole response.
+    assert rec.versions.dtype == torch.int32 and rec.versions.tolist() == [7] * T and rec.oldest_version == 7
     with pytest.raises(AttributeError):
         rec.routed_experts = rec.routes
     # Dense / not requested: no top-K, no routes.
@@ -204,15 +215,143 @@ def test_malformed_response_names_the_field(name):
     assert e.value.field == field
 
 
+def test_version_number():
+    assert [version_number(v) for v in ("0", "7", "123", str(2 ** 31 - 1))] == [0, 7, 123, 2 ** 31 - 1]
+    # Not a trainer step: a fresh server, evaluate.py's version, non-canonical or out-of-range text.
+    for v in ("default", "eval", "", "07", "+7", "-1", " 7", "7.0", "٣", str(2 ** 31), 7, None):
+        assert version_number(v) == UNKNOWN_VERSION == -1, v
+
+
+def test_versions_from_weight_version_spans():
+    """A response generated across two weight loads: each token gets its span's version; a
+    fresh server's "default" is unknown (−1); without spans the one weight_version holds."""
+    resp, _ = sglang_response(PROMPT, 7, spans=[("default", 0, 2), ("4", 2, 3), ("5", 3, 7)])
+    rec = build(resp, PROMPT)
+    assert rec.versions.tolist() == [-1, -1, 4, 5, 5, 5, 5] and rec.versions.dtype == torch.int32
+    assert rec.weight_version == "5" and rec.oldest_version == -1
+    resp, _ = sglang_response(PROMPT, 7, spans=[("4", 0, 6), ("5", 6, 7)])
+    assert build(resp, PROMPT).oldest_version == 4
+    for version, expect in (("3", 3), ("default", -1)):
+        resp, _ = sglang_response(PROMPT, 7, spans=None)
+        resp["meta_info"]["weight_version"] = version
+        rec = build(resp, PROMPT)
+        assert rec.versions.tolist() == [expect] * 7 and rec.weight_version == version
+    # The loss mask picks the tokens oldest_version reads (an episode's environment rows are −1).
+    rec.versions = torch.tensor([2, 3, -1, -1, 3, 4, 4], dtype=torch.int32)
+    rec.loss_mask = torch.tensor([1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    assert rec.oldest_version == 2
+
+
+def _sglang_weight_versions():
+    """The installed SGLang's utils/weight_versions.py (the scheduler's span computation and the
+    tokenizer's meta_info writer), run from its source: importing `sglang` needs the CPU server
+    patches (triton, torchvision ops); this module needs only msgspec, and its one sglang import
+    (a pydantic schema hook) is not used here."""
+    import importlib.util
+    import sys
+    import types
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sglang")  # locates the package without importing it
+    path = Path(spec.origin).parent / "srt" / "utils" / "weight_versions.py"
+    src = path.read_text().replace("from sglang.srt.utils.msgspec_utils import msgspec_struct_pydantic_core_schema",
+                                   "msgspec_struct_pydantic_core_schema = None")
+    mod = types.ModuleType("_sglang_weight_versions")
+    sys.modules[mod.__name__] = mod  # dataclasses looks its module up
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def test_versions_match_sglangs_own_spans():
+    """Spans made by SGLang's own code from weight-version events (a load after n output tokens
+    records (old version, n)); the record's versions are the reference per-token list."""
+    wv = _sglang_weight_versions()
+    Ev = wv.WeightVersionEvent
+    cases = [  # (events, version at finish, T, expected versions)
+        ([Ev("default", 2), Ev("4", 3)], "5", 7, [-1, -1, 4, 5, 5, 5, 5]),
+        ([Ev("3", 3)], "4", 3, [3, 3, 3]),  # loaded after the last token: no token of "4"
+        ([Ev("3", 3), Ev("4", 3)], "5", 6, [3, 3, 3, 5, 5, 5]),  # two loads between two tokens
+        (wv.truncate_weight_version_events([Ev("3", 5), Ev("4", 6)], 4), "5", 6, [3] * 4 + [5] * 2),
+        ([], "9", 7, [9] * 7),
+    ]
+    for events, current, T, expect in cases:
+        meta = {}
+        wv.add_weight_versions_to_meta_info(meta, wv.compute_weight_version_spans(events, current, T), T)
+        resp, _ = sglang_response(PROMPT, T, spans=None)
+        resp["meta_info"].update(orjson.loads(orjson.dumps(meta)))
+        rec = build(resp, PROMPT)
+        assert rec.versions.tolist() == expect and rec.weight_version == meta["weight_version"], (events, meta)
+    # A request aborted in the waiting queue: no token, one empty span.
+    meta = {}
+    wv.add_weight_versions_to_meta_info(meta, wv.compute_weight_version_spans([], "4", 0), 0)
+    assert token_versions(meta, 0).tolist() == []
+
+
+BAD_SPANS = {
+    # name: (spans as SGLang's JSON, field named, detail pattern); T = 7
+    "not_a_list": ({"version": "1", "start": 0, "end": 7}, "meta_info.weight_versions", "non-empty list"),
+    "empty": ([], "meta_info.weight_versions", "non-empty list"),
+    "span_not_object": ([["1", 0, 7]], "meta_info.weight_versions[0]", "expected {version, start, end}"),
+    "version_not_string": ([{"version": 1, "start": 0, "end": 7}], "meta_info.weight_versions[0].version",
+                           "expected a version string, got int"),
+    "start_missing": ([{"version": "1", "end": 7}], "meta_info.weight_versions[0].start", "token index"),
+    "end_is_float": ([{"version": "1", "start": 0, "end": 7.0}], "meta_info.weight_versions[0].end",
+                     "token index, got float"),
+    "gap": ([{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 4, "end": 7}],
+            "meta_info.weight_versions[1].start", "is 4, expected 3"),
+    "not_from_zero": ([{"version": "1", "start": 1, "end": 7}], "meta_info.weight_versions[0].start",
+                      "is 1, expected 0"),
+    "empty_span": ([{"version": "1", "start": 0, "end": 0}, {"version": "2", "start": 0, "end": 7}],
+                   "meta_info.weight_versions[0].end", "is 0: a span ends after its start"),
+    "beyond_output": ([{"version": "1", "start": 0, "end": 8}], "meta_info.weight_versions[0].end",
+                      "at most at the 7 output tokens"),
+    "short": ([{"version": "1", "start": 0, "end": 5}], "meta_info.weight_versions",
+              r"cover output tokens \[0, 5\), not all 7"),
+    "newest_differs": ([{"version": "2", "start": 0, "end": 7}], "meta_info.weight_version",
+                       "'7' differs from the last span's version '2'"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_SPANS))
+def test_malformed_weight_version_spans(name):
+    spans, field, detail = BAD_SPANS[name]
+    resp, _ = sglang_response(PROMPT, 7)
+    resp["meta_info"]["weight_versions"] = spans  # weight_version stays "7"
+    with pytest.raises(MalformedResponse, match=detail) as e:
+        build(resp, PROMPT)
+    assert e.value.field == field
+
+
+def test_record_checks_versions():
+    resp, _ = sglang_response(PROMPT, 7)
+    rec = build(resp, PROMPT)
+    kw = {f: getattr(rec, f) for f in ("prompt_index", "sample_index", "prompt_ids", "response_ids", "rollout_logp",
+                                       "topk_ids", "topk_logp", "routes", "finish_reason", "weight_version",
+                                       "temperature")}
+    with pytest.raises(ValueError, match=r"versions must be \[T=7\] int32, got \(7,\) torch.int64"):
+        RolloutRecord(**kw, versions=torch.zeros(7, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"versions must be \[T=7\] int32, got \(6,\)"):
+        RolloutRecord(**kw, versions=torch.zeros(6, dtype=torch.int32))
+    with pytest.raises(ValueError, match="versions holds -2"):
+        RolloutRecord(**kw, versions=torch.full((7,), -2, dtype=torch.int32))
+    assert RolloutRecord(**kw).oldest_version is None
+
+
 # --- the client, against a local app serving SGLang-shaped bodies -----------------------------
 class FakeSGLang:
     """/generate answers an SGLang-shaped body for the request's prompt; `mutate[(i, j)]` edits
     the answer to sample (i, j) (read from the rid the client sends), `hold[(i, j)]` is awaited
     first. Counts requests and the most requests in flight at once."""
 
-    def __init__(self, mutate=None, hold=None, delay=0.0, body=None):
+    def __init__(self, mutate=None, hold=None, delay=0.0, body=None, script=None):
         self.mutate, self.hold, self.delay, self.body = mutate or {}, hold or {}, delay, body
+        # script[(i, j)]: the answers to that sample's successive requests, each (T, finish,
+        # weight version, last token or None[, mutation of the answer]); then the default
+        # (7 tokens, "length", "7").
+        self.script = {k: list(v) for k, v in (script or {}).items()}
         self.requests: list[str] = []
+        self.payloads: dict[str, dict] = {}  # rid: the request
+        self.refs: dict[str, dict] = {}  # rid: the reference arrays of the answer
         self.inflight = self.max_inflight = 0
 
     async def generate(self, request):
@@ -232,9 +371,24 @@ class FakeSGLang:
             self.inflight -= 1
         if self.body is not None:
             return web.Response(body=self.body, content_type="application/json")
-        T = 7
-        resp, _ = sglang_response(req["input_ids"], T, seed=hash(key) % 1000,
-                                  top_k=req.get("top_logprobs_num", K))
+        self.payloads[req["rid"]] = req
+        T, finish, version, last, *edit = self.script[key].pop(0) if self.script.get(key) else (7, "length", "7", None)
+        if T == 0:  # aborted while queued (tokenizer_manager._handle_abort_req): no token, no route
+            meta = {"id": req["rid"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                    "weight_version": version, "prompt_tokens": len(req["input_ids"]), "completion_tokens": 0,
+                    "output_token_logprobs": [], "output_top_logprobs": [],
+                    "weight_versions": [{"version": version, "start": 0, "end": 0}]}
+            return web.Response(body=orjson.dumps({"text": "", "output_ids": [], "meta_info": meta}),
+                                content_type="application/json")
+        resp, ref = sglang_response(req["input_ids"], T, seed=(hash(key) + 7 * len(req["input_ids"])) % 1000,
+                                    top_k=req.get("top_logprobs_num", K), finish=finish,
+                                    spans=[(version, 0, None)])
+        if last is not None:  # the last token is `last` (an EOS / stop id)
+            resp["output_ids"][-1] = resp["meta_info"]["output_token_logprobs"][-1][1] = last
+            ref["out_ids"][-1] = last
+        self.refs[req["rid"]] = ref
+        for f in edit:
+            f(resp)
         if key in self.mutate:
             self.mutate[key](resp)
         return web.Response(body=orjson.dumps(resp), content_type="application/json")
@@ -265,12 +419,12 @@ class FakeSGLang:
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13, 14, 15, 16]]
 
 
-def _run(server: FakeSGLang, n=2, client_kw=None, **gen_kw):
+def _run(server: FakeSGLang, n=2, client_kw=None, sampling=None, **gen_kw):
     async def go():
         async with server:
             async with RolloutClient([server.url], moe_topk=KR, num_experts=E, backoff_initial=0.05,
                                      **(client_kw or {})) as client:
-                out = await client.generate(PROMPTS, SamplingParams(max_new_tokens=7), n=n,
+                out = await client.generate(PROMPTS, sampling or SamplingParams(max_new_tokens=7), n=n,
                                             top_k_logprobs=K, return_routed_experts=True, **gen_kw)
                 return out, client
     return asyncio.run(go())
@@ -392,3 +546,90 @@ print((rss() - base) >> 20)
     kept = {mode: int(subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True,
                                      check=True).stdout) for mode in ("dynamic", "fixed")}
     assert kept["dynamic"] >= 8 and kept["fixed"] < 4, kept
+
+
+EOS, STOP = 2, 999  # the model's EOS; an extra stop id of the call
+CONTINUE = dict(continue_aborted=True, eos_token_ids=[EOS])
+
+
+def test_aborted_sample_continues_as_prompt_plus_its_tokens():
+    """Sample (1, 0) is aborted three times (a pause around each of two weight pushes, once while
+    queued): the client re-sends prompt + the tokens so far with the remaining budget and the same
+    seed, and merges the segments into one record whose every row comes from its segment."""
+    script = {(1, 0): [(3, "abort", "4", None), (0, "abort", "4", None), (2, "abort", "5", None),
+                       (2, "length", "5", None)]}
+    server = FakeSGLang(script=script)
+    seen = []
+    out, client = _run(server, client_kw=CONTINUE, sampling=SamplingParams(max_new_tokens=7, seed=11),
+                       on_record=lambda r: seen.append((r.prompt_index, r.sample_index)))
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["1", "0"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "s1a0", "s1a1", "s2a0"]  # the empty abort: a retry
+    sent = [server.payloads[r] for r in rids]
+    prompt = PROMPTS[1]
+    seg_ids = [server.refs[r]["out_ids"].tolist() for r in (rids[0], rids[2], rids[3])]
+    assert [p["input_ids"] for p in sent] == [prompt, prompt + seg_ids[0], prompt + seg_ids[0],
+                                              prompt + seg_ids[0] + seg_ids[1]]
+    assert [p["sampling_params"]["max_new_tokens"] for p in sent] == [7, 4, 4, 2]
+    assert {p["sampling_params"]["sampling_seed"] for p in sent} == {11 + 1 * 2 + 0}
+    rec = out[1][0]
+    refs = [server.refs[r] for r in (rids[0], rids[2], rids[3])]
+    assert rec.response_ids.tolist() == sum(seg_ids, [])
+    assert np.array_equal(rec.rollout_logp.numpy(), np.concatenate([r["logp"] for r in refs]))
+    assert rec.versions.tolist() == [4, 4, 4, 5, 5, 5, 5] and rec.oldest_version == 4
+    assert (rec.finish_reason, rec.weight_version, rec.loss_mask) == ("length", "4,5", None)
+    assert [s.num_response_tokens for s in rec.segments] == [3, 2, 2]
+    # Routes: every row of the first version-5 segment (its request held P+3 tokens, it sampled
+    # 2), then the last segment's rows after it; the version-4 segment's routes are not kept.
+    P, cut = len(prompt), len(prompt) + 3 + 2 - 1
+    assert np.array_equal(rec.routes.numpy(), np.concatenate([refs[1]["routes"], refs[2]["routes"][cut:]]))
+    assert rec.routes.shape[0] == P + 7 - 1
+    # Delivered once, with the others; those were not continued.
+    assert sorted(seen) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r.segments is None and r.finish_reason == "length" for row in out for r in row if r is not rec)
+    assert [e.reason for e in client.retry_events] == ["aborted by the server ({'type': 'abort', "
+                                                       "'message': 'Abort in waiting queue'})"]
+
+
+def test_aborted_segment_ending_on_eos_stop_id_or_budget_is_finished():
+    """SGLang takes an abort before its stop checks: a segment that ended on EOS or a stop id is
+    "stop", one that used the whole budget "length"; none is sent again."""
+    script = {(0, 0): [(3, "abort", "7", EOS)], (0, 1): [(7, "abort", "7", None)],
+              (1, 1): [(2, "abort", "7", STOP)]}
+    server = FakeSGLang(script=script)
+    out, _ = _run(server, client_kw=CONTINUE, sampling=SamplingParams(max_new_tokens=7, stop_token_ids=[STOP]))
+    assert len(server.requests) == 4
+    assert [[r.finish_reason for r in row] for row in out] == [["stop", "length"], ["length", "stop"]]
+    assert out[0][0].response_ids.tolist()[-1] == EOS and out[0][0].num_response_tokens == 3
+    assert out[0][0].segments is None  # one segment: the record as parsed
+
+
+def test_aborted_segment_without_routes_is_sent_again():
+    """An abort answered by the tokenizer for a request queued after a retraction holds tokens
+    but no routes: that segment is re-sent from the tokens before it, not continued or parsed."""
+    drop_routes = _set([MI, "routed_experts"])
+    script = {(0, 0): [(2, "abort", "4", None), (3, "abort", "4", None, lambda r: drop_routes(r, KeyError)),
+                       (5, "length", "5", None)]}
+    server = FakeSGLang(script=script)
+    out, client = _run(server, client_kw=CONTINUE)
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["0", "0"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "s1a0", "s1a1"]
+    first = server.refs[rids[0]]["out_ids"].tolist()
+    assert server.payloads[rids[2]]["input_ids"] == PROMPTS[0] + first
+    assert server.payloads[rids[2]]["sampling_params"]["max_new_tokens"] == 5
+    rec = out[0][0]
+    assert rec.response_ids.tolist() == first + server.refs[rids[2]]["out_ids"].tolist()
+    assert rec.versions.tolist() == [4, 4, 5, 5, 5, 5, 5] and len(client.retry_events) == 1
+
+
+def test_without_continue_an_aborted_sample_restarts():
+    script = {(0, 1): [(3, "abort", "7", None)]}
+    server = FakeSGLang(script=script)
+    out, client = _run(server)
+    rids = [r for r in server.requests if r.rsplit("-", 3)[1:3] == ["0", "1"]]
+    assert [r.rsplit("-", 1)[1] for r in rids] == ["a0", "a1"]
+    assert server.payloads[rids[1]]["input_ids"] == PROMPTS[0]
+    assert server.payloads[rids[1]]["sampling_params"]["max_new_tokens"] == 7
+    assert out[0][1].response_ids.tolist() == server.refs[rids[1]]["out_ids"].tolist()
+    assert out[0][1].num_response_tokens == 7 and len(client.retry_events) == 1
+    with pytest.raises(ValueError, match="continue_aborted needs eos_token_ids"):
+        RolloutClient(["http://x"], continue_aborted=True)
