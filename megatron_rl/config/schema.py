@@ -156,6 +156,7 @@ class RolloutConfig:
     release_memory: bool = False  # colocation on shared GPUs (release server memory while training): not implemented, true is refused
     request_timeout: Optional[float] = None  # seconds per generation request before it is aborted and retried elsewhere; None = 300 + max_new_tokens / 8 (rollout/client.py request_timeout_s)
     max_inflight_per_server: int = 64  # generation requests the trainer keeps in flight on each server (the rest wait in the client)
+    partial_rollouts: bool = False  # at a weight push, cut generation in flight (pause, abort) and continue it under the new weights, each token's version recorded (needs trainer.max_staleness > 0); false: the push waits for generation admitted before it
 
 
 @dataclass
@@ -249,6 +250,7 @@ class TrainerConfig:
     wandb_project: str = "megatron-rl"
     rollout_wait_timeout: float = 7200.0  # seconds a rank waits for its group leader's rollouts before failing
     rollout_wait_log_every: float = 300.0  # seconds between a waiting rank's log lines (time waited, leader's progress)
+    max_staleness: int = 0  # asynchronous training: step t's rollouts may come from weights up to this many steps old (generation runs ahead while the learner trains); 0 = synchronous
 
 
 @dataclass

@@ -19,6 +19,8 @@ Storage is compact and per sequence (no padding until a micro-batch is formed):
                topk_logp      fp32  [T, K]
                routed_experts uint8 [P+T−1, L, k] (int16 past 255 experts): the route of input
                               position s; the last position (never fed to the engine) has none
+               versions       int32 [P+T]     the weight version (trainer step) that sampled the
+                              token predicted at each loss row; −1 elsewhere and where unknown
                and whatever the loop adds (old_logp, ref_logp, advantages, R2's recorded routes,
                ...) as [P+T] rows.
 Alignment (records.py's): input position s predicts `labels[s] = input_ids[s+1]`, so response
@@ -42,7 +44,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.collectives import all_gather_varlen
-from megatron_rl.rollout.records import NO_ROUTE_U8, RolloutRecord, no_route, route_dtype  # noqa: F401
+from megatron_rl.rollout.records import (NO_ROUTE_U8, UNKNOWN_VERSION, RolloutRecord, no_route,  # noqa: F401
+                                         route_dtype, version_number)
 
 RESPONSE_ROWS = ("topk_ids", "topk_logp")
 """Token fields stored for response rows only (from input position P−1)."""
@@ -72,7 +75,8 @@ class RolloutBatch:
                      group_ids: Sequence[int], mini_batch: Sequence[int], pad_id: int,
                      with_topk: bool = False, with_routes: bool = False,
                      num_experts: Optional[int] = None,
-                     route_shape: Optional[tuple[int, int]] = None) -> "RolloutBatch":
+                     route_shape: Optional[tuple[int, int]] = None,
+                     with_versions: bool = False) -> "RolloutBatch":
         """Compact batch of `records` (their tensors are kept, not copied, where the dtype fits).
         `num_experts` and `route_shape` (MoE layers, router top-k) type the routes of a batch that
         may be empty."""
@@ -88,6 +92,8 @@ class RolloutBatch:
             tok["topk_ids"], tok["topk_logp"] = [], []
         if with_routes:
             tok["routed_experts"] = []
+        if with_versions:
+            tok["versions"] = []
         for r, p, t in zip(records, P.tolist(), T.tolist()):
             tok["input_ids"].append(torch.cat([r.prompt_ids, r.response_ids]).to(torch.int32))
             mask = torch.zeros(p + t)
@@ -105,11 +111,18 @@ class RolloutBatch:
                 tok["topk_logp"].append(r.topk_logp.float())
             if with_routes:
                 tok["routed_experts"].append(r.routes)  # compact already (records.py)
+            if with_versions:
+                v = torch.full((p + t,), UNKNOWN_VERSION, dtype=torch.int32)
+                v[p - 1:p - 1 + t] = (r.versions if r.versions is not None
+                                      else torch.full((t,), version_number(r.weight_version), dtype=torch.int32))
+                tok["versions"].append(v)
         spec = {"input_ids": (torch.int32, ()), "loss_mask": (torch.float32, ()),
                 "rollout_logp": (torch.float32, ())}
         if with_topk:
             K = records[0].topk_ids.shape[1] if records else 0
             spec.update(topk_ids=(torch.int32, (K,)), topk_logp=(torch.float32, (K,)))
+        if with_versions:
+            spec["versions"] = (torch.int32, ())
         if with_routes and tok["routed_experts"]:
             spec["routed_experts"] = (tok["routed_experts"][0].dtype, tuple(tok["routed_experts"][0].shape[1:]))
         elif with_routes:
@@ -151,6 +164,8 @@ class RolloutBatch:
             return -1
         if name == "routed_experts":
             return no_route(dtype)
+        if name == "versions":
+            return UNKNOWN_VERSION
         return 0
 
     def start(self, name: str) -> torch.Tensor:

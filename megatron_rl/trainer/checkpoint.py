@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -136,9 +136,11 @@ def load_model_weights(chunks: list[torch.nn.Module], path: str | Path) -> None:
 
 
 def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
-                    keep: int = 2, others: Optional[dict[str, Any]] = None) -> Path:
+                    keep: int = 2, others: Optional[dict[str, Any]] = None,
+                    extra: Optional[Callable[[Path], None]] = None) -> Path:
     """Collective: every learner rank calls it. `others`: {name: learner} saved in `<name>/`.
-    Returns the checkpoint folder."""
+    `extra(folder)`: each rank writes its own files into the checkpoint before it is made final
+    (e.g. the rollout producer's queued shares). Returns the checkpoint folder."""
     root = checkpoints_root(out_dir)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{PREFIX}{step:08d}.tmp"
@@ -156,6 +158,8 @@ def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict
         _save_learner(other, tmp / name)
     (tmp / "rng").mkdir(exist_ok=True)
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if extra is not None:
+        extra(tmp)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)

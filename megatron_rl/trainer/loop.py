@@ -85,6 +85,12 @@ def _check_kwargs(field: str, given, kind: str, name: str, tensors: tuple[str, .
                              f"valid: {', '.join(valid) or '(none)'}")
 
 
+def _spans_versions(rec) -> bool:
+    """Whether the record's model tokens come from more than one weight version."""
+    known = rec.versions[rec.versions >= 0] if rec.versions is not None else None
+    return known is not None and known.numel() > 0 and int(known.min()) != int(known.max())
+
+
 def validate(cfg: JobConfig) -> None:
     """Config checks that need no process group (also run by `dry-run`)."""
     a, r = cfg.algorithm, cfg.rollout
@@ -156,6 +162,12 @@ def validate(cfg: JobConfig) -> None:
             raise ValueError("algorithm.overlong_buffer ramps a penalty up to rollout.max_new_tokens, the length "
                              "of one sampled response; an episode of rollout.generate has several turns and "
                              "environment tokens, which that bound does not describe")
+    if cfg.trainer.max_staleness < 0:
+        raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 (0: synchronous)")
+    if r.partial_rollouts and (cfg.trainer.max_staleness < 1 or cfg.trainer.mode != "train"):
+        raise ValueError("rollout.partial_rollouts=true cuts generation in flight at a weight push; it needs "
+                         "trainer.max_staleness >= 1 and trainer.mode=train (synchronously nothing is in flight "
+                         "at a push)")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server
@@ -191,11 +203,14 @@ class Trainer:
         eval_examples = load_examples(cfg.data, "eval", cfg.eval.num_prompts) if cfg.eval.num_prompts else []
         self.eval_prompts = tokenize(eval_examples, self.tokenizer)
         self.step, self.weight_version = 0, "0"
+        self.feeder = None  # the rollout producer thread (trainer/producer.py), on producer ranks
+        self._saved_queue: tuple[Optional[Path], dict] = (None, {})
         ckpt = latest_checkpoint(self.out_dir) if t.resume else None
         if ckpt is not None:
             state = load_checkpoint(self.learner, ckpt, others=self._others())
             self.step, self.weight_version = state["step"], state["weight_version"]
             self.prompts.load_state_dict(state["prompts"])
+            self._saved_queue = (ckpt, state.get("queue", {}))
         self.logger = MetricsLogger(self.out_dir, t, enabled=ctx.rank == 0, start_step=self.step,
                                     run_name=cfg.name, config_dict=OmegaConf.to_container(OmegaConf.structured(cfg)))
         if ckpt is not None:
@@ -210,6 +225,7 @@ class Trainer:
         self.stop = StopRequest(ctx.device)
         self.history: list[dict] = []
         self._attempt = 0
+        self._restarts = 0  # steps whose rollouts were made again (a server served other weights)
         self.signal = self.eval_signal = None
         if dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1:
             from megatron_rl.distributed.wait import LeaderSignal
@@ -275,6 +291,7 @@ class Trainer:
             # Servers may hold other weights (a resumed run; servers shared across runs): start
             # every run that samples (rollout_only too) by giving them exactly the learner's.
             self.sync_weights()
+            self._start_producer()
         if self.step == 0 and self.eval_prompts and self.rollouts is not None:
             self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
         while self.step < t.steps:
@@ -303,9 +320,8 @@ class Trainer:
                     with timer("train"):
                         metrics |= self.train_policy(batch)
             self.step += 1
-            if t.mode == "train":
-                with timer("weight_sync"):
-                    metrics |= self.sync_weights()
+            with timer("weight_sync"):
+                metrics |= self.publish()
             if self.eval_due():
                 metrics |= self.evaluate()
             self.log(metrics | timer.total())
@@ -323,21 +339,23 @@ class Trainer:
     def generate(self) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's rollout batch for the step (collective) and the step's rollout metrics.
 
-        Every record must come from the weights just pushed (its `weight_version`): a server that
-        died and was restarted serves its initial checkpoint, so a batch with stale records is
-        thrown away, the weights are pushed again and the same prompts are generated again.
+        Every model token must come from weights at most `trainer.max_staleness` steps old (its
+        `versions`; with 0, exactly the weights just pushed). A server that died and was restarted
+        serves its initial checkpoint (version unknown): the producer's shares from this step on
+        are thrown away, the weights are pushed again and the same prompts are generated again.
         """
         while True:
-            position = self.prompts.state_dict()
             status, batch, metrics = self._produce()
             if status == "ok":
                 return batch, metrics
             if status.startswith("error:"):
                 raise TrainingError(status[len("error:"):])
-            self.logger.message(f"[megatron-rl] step {self.step}: records from stale weights (a server "
+            self.logger.message(f"[megatron-rl] step {self.step}: records from other weights (a server "
                                 "was restarted); pushing weights again and regenerating")
-            self.prompts.load_state_dict(position)
+            self._restarts += 1
             self.sync_weights()
+            if self.feeder is not None:
+                self.feeder.restart(self.step, self.prompts.state_dict())
 
     @property
     def producer(self) -> bool:
@@ -345,10 +363,11 @@ class Trainer:
         return dist.get_rank(self.ctx.mp_group) == 0 if dist.is_initialized() else True
 
     def _produce(self) -> tuple[str, Optional[RolloutBatch], dict]:
-        """Producers generate (or read back) their share of whole groups and exchange sequences
-        among themselves to balance every mini-batch's tokens (trainer/batch.py `rebalance`); each
-        then hands its batch to its model-parallel peers by tensor broadcast. Returns (status:
-        "ok", "stale" or "error:<message>" — the same on every rank —, batch, metrics)."""
+        """Producers take their share of whole groups from their producer thread (or read it
+        back) and exchange sequences among themselves to balance every mini-batch's tokens
+        (trainer/batch.py `rebalance`); each then hands its batch to its model-parallel peers by
+        tensor broadcast. Returns (status: "ok", "stale" or "error:<message>" — the same on every
+        rank —, batch, metrics)."""
         ctx, t, a = self.ctx, self.cfg.trainer, self.cfg.algorithm
         shared = dist.is_initialized() and dist.get_world_size(ctx.mp_group) > 1
         batch, metrics, status = None, {}, "ok"
@@ -362,7 +381,7 @@ class Trainer:
                 if t.mode == "train_only":
                     batch, metrics = self._read_rollouts()
                 else:
-                    batch, metrics, status = self._generate_share()
+                    batch, metrics, status = self._take_share()
                 if status == "ok" and t.mode != "rollout_only" and ctx.dp > 1:
                     batch, stats = batching.rebalance(batch, ctx.dp_group, a.mini_batches, ctx.device)
                     moved = all_reduce_sum(torch.tensor([stats["recv_bytes"], batch.nbytes()], dtype=torch.float64),
@@ -380,18 +399,72 @@ class Trainer:
                 batch = RolloutBatch.broadcast(batch, leader, ctx.mp_group, ctx.device)
         return status, batch, metrics
 
-    def _generate_share(self) -> tuple[Optional[RolloutBatch], dict, str]:
-        """Producers (collective over them): this rank's groups, their records checked."""
-        ctx, r, a = self.ctx, self.cfg.rollout, self.cfg.algorithm
-        records, rewards, gids, metrics = self.rollouts.generate(self.prompts.take, self.step)
-        stale = self.cfg.trainer.mode == "train" and any(x.weight_version != self.weight_version for x in records)
+    # -- the producer thread (trainer/producer.py) -------------------------------------------------
+    def _start_producer(self) -> None:
+        """Producer ranks: start the thread that makes each step's share ahead of the learner
+        (at most trainer.max_staleness steps), from the consumer's prompt position or after the
+        shares a resumed checkpoint saved."""
+        from megatron_rl.trainer.producer import Producer, StoreSum
+
+        if not self.producer:
+            return
+        ctx = self.ctx
+        agree = None
+        if dist.is_initialized() and ctx.dp > 1:
+            store = dist.distributed_c10d._get_default_store().clone()
+            agree = StoreSum(store, f"agree/{self.cfg.name}", ctx.dp_rank, ctx.dp,
+                             timeout_s=self.cfg.trainer.rollout_wait_timeout)
+        stream = PromptStream(self.prompts.prompts, seed=self.prompts.seed)
+        stream.load_state_dict(self.prompts.state_dict())
+        saved = self._load_queue()
+        if saved:
+            stream.load_state_dict(saved[-1].position)
+        self.feeder = Producer(lambda target, s: self._make_share(target, s, agree), stream,
+                               self.cfg.trainer.max_staleness, last_target=self.cfg.trainer.steps - 1,
+                               on_exit=self.rollouts.close_lane)
+        self.feeder.start(self.step, published=self.step, saved=saved)
+
+    def _make_share(self, target: int, stream: PromptStream, agree) -> tuple[RolloutBatch, dict]:
+        """Producer thread: this rank's groups of step `target` as a compact batch, with the
+        versions of their tokens checked against the staleness bound (no collective here)."""
+        r, a = self.cfg.rollout, self.cfg.algorithm
+        records, rewards, gids, metrics = self.rollouts.generate(stream.take, target, agree=agree)
         routes = a.router_replay == "r3"
         cfg = self.learner.config
         batch = RolloutBatch.from_records(
             records, rewards, group_ids=gids, mini_batch=[g * a.mini_batches // r.prompts_per_step for g in gids],
             pad_id=self.tokenizer.pad_token_id, with_topk=a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs > 0,
             with_routes=routes, num_experts=cfg.num_moe_experts if routes else None,
-            route_shape=(self.learner.router_replay.num_moe_layers, cfg.moe_router_topk) if routes else None)
+            route_shape=(self.learner.router_replay.num_moe_layers, cfg.moe_router_topk) if routes else None,
+            with_versions=True)
+        metrics["_async"] = self._version_counts(batch, records, target)
+        return batch, metrics
+
+    def _version_counts(self, batch: RolloutBatch, records, target: int) -> torch.Tensor:
+        """[k+1 token counts by staleness 0..k, tokens outside the bound (older, newer or of
+        unknown weights), samples continued after a cut, samples spanning several versions]."""
+        k = self.cfg.trainer.max_staleness
+        counts = torch.zeros(k + 4, dtype=torch.float64)
+        if not len(batch):
+            return counts
+        mask = torch.cat(batch.tok["loss_mask"]) > 0
+        d = (target - torch.cat(batch.tok["versions"]).long())[mask]
+        v = torch.cat(batch.tok["versions"])[mask]
+        ok = (v >= 0) & (d >= 0) & (d <= k)
+        counts[:k + 1] = torch.bincount(d[ok], minlength=k + 1)[:k + 1].double()
+        counts[k + 1] = float((~ok).sum())
+        counts[k + 2] = float(sum(len(rec.segments or ()) > 1 for rec in records))
+        counts[k + 3] = float(sum(_spans_versions(rec) for rec in records))
+        return counts
+
+    def _take_share(self) -> tuple[Optional[RolloutBatch], dict, str]:
+        """Producers (collective over them): this rank's share of the step from the producer
+        thread, checked: every model token within the staleness bound, every μ finite."""
+        ctx = self.ctx
+        share = self.feeder.get(self.step)
+        batch, metrics = share.batch, dict(share.metrics)
+        counts = metrics.pop("_async")
+        stale = self.cfg.trainer.mode == "train" and bool(counts[self.cfg.trainer.max_staleness + 1] > 0)
         bad = ""
         if not stale and len(batch):
             mask = torch.cat(batch.tok["loss_mask"]) > 0
@@ -407,13 +480,31 @@ class Trainer:
         if dist.is_initialized() and ctx.dp > 1:
             flags = all_reduce_sum(flags, ctx.dp_group, ctx.device)
             sums = all_reduce_sum(sums, ctx.dp_group, ctx.device)
-        metrics |= self.rollouts.finish_metrics(sums)
+            counts = all_reduce_sum(counts, ctx.dp_group, ctx.device)
+        metrics |= self.rollouts.finish_metrics(sums) | self._async_metrics(counts)
+        metrics["time/queue_wait"] = self.feeder.waited_s
         if flags[1]:
             return None, metrics, "error:" + (bad or "a rollout log-prob is not finite on another "
                                                     "data-parallel rank (its log names it)")
         if flags[0]:
             return None, metrics, "stale"
+        self.prompts.load_state_dict(share.position)
         return batch, metrics, "ok"
+
+    def _async_metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        k = self.cfg.trainer.max_staleness
+        by_age = counts[:k + 1]
+        n = float(by_age.sum())
+        ages = torch.arange(k + 1, dtype=torch.float64)
+        out = {f"async/tokens_staleness_{d}": float(by_age[d]) for d in range(k + 1)}
+        out |= {"async/staleness_mean": float((by_age * ages).sum()) / max(n, 1.0),
+                "async/staleness_max": float(ages[by_age > 0].max()) if n else 0.0,
+                "async/old_token_frac": float(by_age[1:].sum()) / max(n, 1.0),
+                "async/continued_samples": float(counts[k + 2]),
+                "async/multi_version_samples": float(counts[k + 3]),
+                "async/regenerated_steps": float(self._restarts),
+                "async/queue_depth": float(self.feeder.depth())}
+        return out
 
     def _rollouts_file(self, dp_rank: int) -> Path:
         return self.rollouts_dir / f"step_{self.step:08d}.dp{dp_rank}.pt"
@@ -591,8 +682,29 @@ class Trainer:
         return mean
 
     def sync_weights(self) -> dict[str, float]:
+        """Collective: push the learner's weights (version = the step) to every server. Generation
+        admitted before it either finishes first (drain: its tokens all come from the weights that
+        admitted it) or, with rollout.partial_rollouts, is cut by a pause and continued under the
+        new weights (each token's version recorded)."""
         self.weight_version = str(self.step)
-        return self.rollouts.sync_weights(self.learner, self.weight_version)
+        partial = self.cfg.rollout.partial_rollouts
+        if self.feeder is not None and not partial:
+            self.feeder.drain()
+        if partial and self.ctx.rank == 0:
+            self.rollouts.pause("abort")
+        try:
+            return self.rollouts.sync_weights(self.learner, self.weight_version)
+        finally:
+            if partial and self.ctx.rank == 0:
+                self.rollouts.resume()
+
+    def publish(self) -> dict[str, float]:
+        """After a training step: the servers get its weights (trainer.mode=train) and the
+        producer may start every step up to `step + max_staleness`."""
+        out = self.sync_weights() if self.cfg.trainer.mode == "train" else {}
+        if self.feeder is not None:
+            self.feeder.published(self.step)
+        return out
 
     def eval_due(self) -> bool:
         e = self.cfg.eval
@@ -627,12 +739,53 @@ class Trainer:
         self.logger.log(self.step - 1, metrics)
 
     def save(self) -> Optional[Path]:
+        """Collective. With the producer ahead of the learner, its complete shares of the next
+        steps are saved too (`queue/t<step>.dp<rank>.pt`, the same steps on every producer), so a
+        resumed run trains on exactly them and generates from the step after."""
+        shares = self.feeder.snapshot() if self.feeder is not None else []
+        shares = [s for i, s in enumerate(shares) if s.target == self.step + i]  # contiguous
+        last = torch.tensor([shares[-1].target if shares else self.step - 1
+                             if self.producer else 2 ** 62], dtype=torch.int64, device=self.ctx.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(last, op=dist.ReduceOp.MIN)
+        shares = [s for s in shares if s.target <= int(last)]
         state = {"step": self.step, "weight_version": self.weight_version,
-                 "prompts": self.prompts.state_dict()}
+                 "prompts": self.prompts.state_dict(),
+                 "queue": {"targets": list(range(self.step, int(last) + 1)), "dp": self.ctx.dp}}
+
+        def write_queue(folder: Path) -> None:
+            if not shares:
+                return
+            (folder / "queue").mkdir(exist_ok=True)
+            for s in shares:
+                s.batch.save(folder / "queue" / f"t{s.target:08d}.dp{self.ctx.dp_rank}.pt",
+                             {"metrics": s.metrics, "position": s.position})
+
         return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints,
-                               others=self._others())
+                               others=self._others(), extra=write_queue if self.producer else None)
+
+    def _load_queue(self) -> list:
+        """The shares a resumed checkpoint saved for this producer (none if the data-parallel size
+        changed: they are generated again, from the same prompts)."""
+        from megatron_rl.trainer.producer import StepShare
+
+        ckpt, queue = self._saved_queue
+        if ckpt is None or not queue.get("targets"):
+            return []
+        if queue["dp"] != self.ctx.dp:
+            self.logger.message(f"[megatron-rl] the checkpoint's {len(queue['targets'])} queued rollout step(s) were "
+                                f"made by {queue['dp']} data-parallel producers, this run has {self.ctx.dp}: "
+                                "generating them again")
+            return []
+        out = []
+        for t in queue["targets"]:
+            batch, extra = RolloutBatch.load(ckpt / "queue" / f"t{t:08d}.dp{self.ctx.dp_rank}.pt")
+            out.append(StepShare(t, batch, extra["metrics"], extra["position"]))
+        return out
 
     def close(self) -> None:
+        if self.feeder is not None:
+            self.feeder.stop()
         if self.rollouts is not None:
             self.rollouts.close()
         if hasattr(self.reward_model, "close"):

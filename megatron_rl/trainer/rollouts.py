@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -68,7 +69,6 @@ class Rollouts:
         self.producer = dist.get_rank(ctx.mp_group) == 0 if dist.is_initialized() else True
         self.manager = None
         self.transport = None
-        self.client = None
         self.moe_topk, self.num_experts = moe_topk, num_experts
         self.rewards = None
         get_reward(cfg.data.reward)  # an unknown name fails here, with the valid names
@@ -107,10 +107,13 @@ class Rollouts:
             raise ValueError(f"rollout.placement=local serves from rank 0's node ({host}); the producer on "
                              f"{socket.gethostname()} cannot reach its servers: use "
                              "rollout.placement=disaggregated with rollout.server_urls on multi-node jobs")
-        self.client = RolloutClient(self.manager if self.manager else urls,
-                                    request_timeout=r.request_timeout, moe_topk=moe_topk,
-                                    num_experts=num_experts, max_inflight_per_server=r.max_inflight_per_server)
-        self._loop = asyncio.new_event_loop()
+        self._servers = self.manager if self.manager else urls
+        # Each thread that samples (the producer's, rank 0's main thread for eval and pauses) has
+        # its own client and event loop: aiohttp sessions and asyncio primitives are loop-bound.
+        self._lanes = threading.local()
+        self._all_lanes: list[tuple[RolloutClient, asyncio.AbstractEventLoop]] = []
+        self._lanes_lock = threading.Lock()
+        self.client  # the main thread's, made now: a bad server list fails here
         return_large_frees()  # parsed bodies go back to the system (rollout/memory.py)
         # Rewards are scored in worker processes as responses arrive (a per-call timeout: a
         # pathological answer cannot hang the step).
@@ -140,8 +143,63 @@ class Rollouts:
     def urls(self) -> list[str]:
         return self.manager.urls() if self.manager else list(self.cfg.rollout.server_urls)
 
+    @property
+    def client(self) -> Optional[RolloutClient]:
+        """This thread's client (None on ranks that do not produce)."""
+        if not self.producer:
+            return None
+        lane = getattr(self._lanes, "lane", None)
+        if lane is None:
+            r = self.cfg.rollout
+            eos = self._eos_token_ids() if r.partial_rollouts else ()
+            client = RolloutClient(self._servers, request_timeout=r.request_timeout, moe_topk=self.moe_topk,
+                                   num_experts=self.num_experts, max_inflight_per_server=r.max_inflight_per_server,
+                                   continue_aborted=r.partial_rollouts, eos_token_ids=eos)
+            lane = self._lanes.lane = (client, asyncio.new_event_loop())
+            with self._lanes_lock:
+                self._all_lanes.append(lane)
+        return lane[0]
+
+    def _eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids: the tokenizer's and generation_config.json's (an
+        aborted segment that ended on one is finished, not continued)."""
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        try:
+            from transformers import GenerationConfig
+
+            g = GenerationConfig.from_pretrained(self.tokenizer.name_or_path).eos_token_id
+            ids |= set(g if isinstance(g, (list, tuple)) else [g] if g is not None else [])
+        except OSError:  # no generation_config.json
+            pass
+        if not ids:
+            raise ValueError("rollout.partial_rollouts needs the model's EOS token id (tokenizer.eos_token_id "
+                             "or generation_config.json): a cut response that ended on it is finished")
+        return sorted(ids)
+
     def _run(self, coro):
-        return self._loop.run_until_complete(coro)
+        self.client  # noqa: B018 - makes this thread's lane
+        return self._lanes.lane[1].run_until_complete(coro)
+
+    def close_lane(self) -> None:
+        """Close this thread's client and loop (a producer thread, as it exits)."""
+        lane = getattr(self._lanes, "lane", None)
+        if lane is None:
+            return
+        self._lanes.lane = None
+        with self._lanes_lock:
+            self._all_lanes.remove(lane)
+        try:
+            lane[1].run_until_complete(lane[0].close())
+        finally:
+            lane[1].close()
+
+    def pause(self, mode: str) -> None:
+        """Rank 0: pause every server's generation (`abort` cuts requests in flight, which the
+        producers' clients continue after `resume`; requests sent meanwhile wait)."""
+        self._run(self.client.broadcast("pause_generation", mode=mode))
+
+    def resume(self) -> None:
+        self._run(self.client.broadcast("continue_generation"))
 
     def sampling(self, step: int, temperature: float, max_new_tokens: int, top_p: float,
                  salt: int = 0) -> SamplingParams:
@@ -196,7 +254,7 @@ class Rollouts:
         rewards = [[scores[(call, i, j)] for j in range(n)] for i in range(len(prompts))]
         return groups, rewards, got.metrics()
 
-    def generate(self, take, step: int) -> tuple[list[RolloutRecord], list[float], list[int], dict]:
+    def generate(self, take, step: int, agree=None) -> tuple[list[RolloutRecord], list[float], list[int], dict]:
         """Producers (one per data-parallel rank, collective over them): this rank's share of one
         step's groups. Prompt j of each round is generated and scored by producer j mod DP; `take(n)`
         draws the same prompts on every producer. DAPO dynamic sampling keeps generating (at most
@@ -204,7 +262,9 @@ class Rollouts:
         rewards are not all equal — the producers agree on which groups are informative with one
         small all-reduce per round; short of that, equal-reward groups fill the rest (their
         advantages are zero). Returns this rank's (records, rewards, global group ids, metric
-        sums over its groups; `finish_metrics` turns the producers' sums into the step's metrics)."""
+        sums over its groups; `finish_metrics` turns the producers' sums into the step's metrics).
+        `agree(name, int64 tensor)` sums a tensor over the producers (default: an all-reduce; the
+        producer thread passes a store-based sum, trainer/producer.py `StoreSum`)."""
         r, a = self.cfg.rollout, self.cfg.algorithm
         group = self.ctx.dp_group if dist.is_initialized() else None
         dp = self.ctx.dp
@@ -231,7 +291,9 @@ class Rollouts:
             for j, g, rw in zip(js, groups, rewards):
                 mine[(rounds, j)] = (g, rw)
                 informative[j] = int(len(set(rw)) > 1)
-            if group is not None and dp > 1:
+            if agree is not None:
+                informative = agree(f"{step}/{rounds}", informative)
+            elif group is not None and dp > 1:
                 informative = all_reduce_sum(informative, group, self.ctx.device)
             for j in range(len(prompts)):
                 (order if informative[j] or not r.dynamic_sampling else spare).append((rounds, j))
@@ -342,14 +404,18 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        if self.client is None:
+        if not self.producer:
             return
         try:
-            self._run(self.client.close())
+            self.close_lane()
+            for client, loop in list(self._all_lanes):  # a lane whose thread did not close it
+                try:
+                    loop.run_until_complete(client.close())
+                finally:
+                    loop.close()
             self.rewards.close()
             if self.transport is not None and hasattr(self.transport, "close"):
                 self.transport.close()
         finally:
-            self._loop.close()
             if self.manager is not None:
                 self.manager.stop()

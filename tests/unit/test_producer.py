@@ -1,0 +1,157 @@
+"""The rollout producer thread (trainer/producer.py): the staleness gate, order, drain, restart,
+errors, snapshots; and the store-based sum the producer threads agree with (a real c10d
+HashStore shared by two threads)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.trainer.producer import Producer, ProducerStopped, StepShare, StoreSum
+from megatron_rl.trainer.prompts import Prompt, PromptStream
+
+
+def stream() -> PromptStream:
+    return PromptStream([Prompt(ids=(i,), answer=str(i), uid=f"t:{i}") for i in range(10)], seed=0)
+
+
+class Recorder:
+    """produce(): records (target, published version when it started, prompts drawn)."""
+
+    def __init__(self, delay: float = 0.0, fail_at: int | None = None):
+        self.calls: list[tuple[int, int, list[int]]] = []
+        self.delay, self.fail_at = delay, fail_at
+        self.producer: Producer | None = None
+
+    def __call__(self, target, s):
+        if target == self.fail_at:
+            raise ValueError(f"boom at {target}")
+        drawn = [p.ids[0] for p in s.take(3)]
+        self.calls.append((target, self.producer._published, drawn))
+        time.sleep(self.delay)
+        return drawn, {"target": target}
+
+
+def make(k: int, last: int | None = None, **kw) -> tuple[Producer, Recorder]:
+    rec = Recorder(**kw)
+    p = Producer(rec, stream(), k, last_target=last)
+    rec.producer = p
+    return p, rec
+
+
+def wait_until(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_gate_bounds_staleness_and_queue(k):
+    """Target t starts only once version t−k is published: at most k+1 shares ahead."""
+    p, rec = make(k, last=5)
+    p.start(0, published=0)
+    wait_until(lambda: p.depth() == k + 1)
+    time.sleep(0.1)
+    assert p.depth() == k + 1  # nothing more until the next version
+    for step in range(6):
+        share = p.get(step)
+        assert share.target == step and share.batch == rec.calls[step][2]
+        p.published(step + 1)
+    p.stop()
+    for target, version, _ in rec.calls:
+        assert target - k <= version <= target  # never older than t−k, never ahead of t
+    assert [c[0] for c in rec.calls] == list(range(6))  # the last target bounds it
+
+
+def test_prompts_in_order_and_position_recorded():
+    p, rec = make(1, last=3)
+    p.start(0, published=0)
+    shares = []
+    for step in range(4):
+        shares.append(p.get(step))
+        p.published(step + 1)
+    p.stop()
+    drawn = [x for s in shares for x in s.batch]
+    ref = stream()
+    assert drawn == [q.ids[0] for q in ref.take(12)]  # one stream, no prompt twice
+    ref = stream()
+    for s in shares:
+        ref.take(3)
+        assert s.position == ref.state_dict()
+
+
+def test_drain_waits_for_admitted_targets():
+    p, rec = make(1, last=3, delay=0.3)
+    p.start(0, published=0)
+    p.drain()  # targets 0 and 1 admitted at version 0
+    assert p.depth() == 2 and len(rec.calls) == 2
+    p.stop()
+
+
+def test_restart_regenerates_from_a_position():
+    p, rec = make(1, last=4)
+    p.start(0, published=0)
+    first = p.get(0)
+    wait_until(lambda: p.depth() == 1)  # target 1 done
+    p.restart(1, first.position)  # a server served other weights: step 1 again, same prompts
+    p.published(1)
+    again = p.get(1)
+    assert again.batch == rec.calls[1][2]  # the same prompts as the discarded share
+    assert again.epoch == 1
+    p.stop()
+
+
+def test_error_reaches_the_consumer():
+    p, _ = make(0, fail_at=1)
+    p.start(0, published=0)
+    p.get(0)
+    p.published(1)
+    with pytest.raises(ProducerStopped, match="boom at 1"):
+        p.get(1)
+    with pytest.raises(ProducerStopped):
+        p.drain()
+
+
+def test_saved_shares_come_first_and_generation_continues_after_them():
+    s = stream()
+    s.take(6)
+    saved = [StepShare(3, ["a"], {}, {"epoch": 0, "index": 3}), StepShare(4, ["b"], {}, s.state_dict())]
+    rec = Recorder()
+    p = Producer(rec, s, 2, last_target=5)
+    rec.producer = p
+    p.start(3, published=3, saved=saved)
+    assert p.get(3).batch == ["a"] and p.get(4).batch == ["b"]
+    assert p.get(5).batch == [q.ids[0] for q in stream().take(9)[6:]]
+    p.stop()
+
+
+def test_negative_staleness_is_refused():
+    with pytest.raises(ValueError, match="max_staleness"):
+        Producer(lambda t, s: None, stream(), -1)
+
+
+def test_store_sum_across_threads():
+    """Two producers' threads agree through a real c10d store, many rounds, keys cleaned up."""
+    store = dist.HashStore()
+    out: dict[int, list] = {0: [], 1: []}
+
+    def producer(rank):
+        agree = StoreSum(store, "agree/x", rank, 2, timeout_s=30)
+        for i in range(20):
+            x = torch.tensor([rank + i, 1, 0, rank * i], dtype=torch.int64)
+            out[rank].append(agree(f"{i}/0", x))
+
+    threads = [threading.Thread(target=producer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i in range(20):
+        want = torch.tensor([1 + 2 * i, 2, 0, i])
+        assert torch.equal(out[0][i], want) and torch.equal(out[1][i], want)
+    assert store.num_keys() <= 4  # each rank keeps its last two keys
