@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -195,12 +196,27 @@ class Rollouts:
 
     def pause(self, mode: str) -> None:
         """Rank 0: pause every server's generation (`abort` cuts requests in flight, which the
-        producers' clients continue after `resume`; requests sent meanwhile wait)."""
-        self._run(self.client.broadcast("pause_generation", mode=mode))
+        producers' clients continue after `resume`; requests sent meanwhile wait). A server that
+        does not answer is dead: its requests are retried elsewhere by the clients, and a
+        restarted one is found out by its version at the next check."""
+        self._broadcast_control("pause_generation", mode=mode)
 
     def resume(self) -> None:
-        self._run(self.client.broadcast("continue_generation"))
+        self._broadcast_control("continue_generation")
 
+    def _broadcast_control(self, method: str, **kwargs) -> None:
+        import logging
+
+        async def call():
+            return await asyncio.gather(*(getattr(s, method)(**kwargs) for s in self.client.servers()),
+                                        return_exceptions=True)
+
+        for url, out in zip(self.urls(), self._run(call())):
+            if isinstance(out, BaseException):
+                logging.getLogger(__name__).warning("%s %s failed (%s); treating the server as down", url,
+                                                    method, out)
+
+    # ------------------------------------------------------------------------------------------
     def sampling(self, step: int, temperature: float, max_new_tokens: int, top_p: float,
                  salt: int = 0) -> SamplingParams:
         seed = None
@@ -273,12 +289,14 @@ class Rollouts:
         order: list[tuple[int, int]] = []  # (round, prompt) of every kept group, in batch order
         spare: list[tuple[int, int]] = []
         mine: dict[tuple[int, int], tuple[list[RolloutRecord], list[float]]] = {}
+        drawn: dict[tuple[int, int], Prompt] = {}
         rounds, timeouts, errors, reward_wait = 0, 0, 0, 0.0
         start = time.perf_counter()
         retries0 = len(self.client.retry_events)
         top_k = r.top_k_logprobs if a.divergence in TOPK_DIVERGENCES else 0
         while len(order) < want and rounds < (r.max_generation_rounds if r.dynamic_sampling else 1):
             prompts = take(want - len(order) if rounds else want)
+            drawn.update({(rounds, j): p for j, p in enumerate(prompts)})
             js = list(range(me, len(prompts), dp))
             groups, rewards, scored = self.sample(
                 [prompts[j] for j in js], r.n_samples,
@@ -299,6 +317,7 @@ class Rollouts:
                 (order if informative[j] or not r.dynamic_sampling else spare).append((rounds, j))
             rounds += 1
         order = (order + spare)[:want]
+        uids = {key: p.uid for key, p in drawn.items()}
         records, rewards, gids = [], [], []
         for gi, key in enumerate(order):
             if key in mine:
@@ -320,7 +339,11 @@ class Rollouts:
             env = [rec.num_response_tokens - m for rec, m in zip(records, model)]
             sums = torch.cat([sums, torch.tensor([sum(model), sum(env), sum(e > 0 for e in env)],
                                                  dtype=torch.float64)])
+        # Which prompts the step trained on, as one number (every producer draws the same
+        # prompts, so they agree): resume tests compare it step by step.
+        digest = zlib.crc32("\n".join(uids[k] for k in order).encode()) % (1 << 24)
         return records, rewards, gids, {"_sums": sums, "rollout/generation_rounds": float(rounds),
+                                         "data/prompt_digest": float(digest),
                                          "time/generate_only": time.perf_counter() - start,
                                          "time/reward_wait": reward_wait}
 
