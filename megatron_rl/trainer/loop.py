@@ -662,10 +662,12 @@ class Trainer:
     def train_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         a = self.cfg.algorithm
         routing = "replay" if a.router_replay != "none" else None
+        split = self.cfg.trainer.max_staleness > 0 and "versions" in batch
 
         def step(mb):
             loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens,
-                                 dp_group=self.ctx.dp_group, device=self.ctx.device)
+                                 dp_group=self.ctx.dp_group, device=self.ctx.device,
+                                 split_at_step=self.step if split else None)
             out = self.learner.train_step(mb, loss_fn, routing=routing)
             out |= loss_fn.finish(self.learner)
             bad = nonfinite(out)

@@ -26,10 +26,15 @@ class PolicyLoss:
     """`loss_fn(logits_BSV, mb, tp_group, vocab_size)` for one mini-batch (see learner.py)."""
 
     def __init__(self, algo: AlgorithmConfig, mini_batch, temperature: float,
-                 max_response_length: int, *, dp_group=None, device=None):
+                 max_response_length: int, *, dp_group=None, device=None, split_at_step: int | None = None):
         """`mini_batch`: the whole mini-batch (a dict every rank holds), or this rank's part of it
-        (a RolloutBatch; then `dp_group` sums the normaliser over the data-parallel ranks)."""
+        (a RolloutBatch; then `dp_group` sums the normaliser over the data-parallel ranks).
+        `split_at_step`: the learner's step in asynchronous training; the trust-region diagnostics
+        are then also reported apart for tokens sampled by the weights of this step (`fresh/`) and
+        by older ones (`stale/`), from the batch's per-token `versions`."""
         self.algo, self.temperature, self.max_len = algo, temperature, max_response_length
+        self.split_at_step = split_at_step
+        self.split_stats: dict[str, object] = {}
         mask = mini_batch["loss_mask"]
         self.normalizer = (global_normalizer(mask.to(device), algo.agg_mode, dp_group=dp_group)
                            if dp_group is not None else local_count(mask, algo.agg_mode))
@@ -72,7 +77,28 @@ class PolicyLoss:
             kl_coef=0.0 if a.kl_in_reward else a.kl_coef,  # in the rewards instead (trainer/loop.py)
             correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
+        if self.split_at_step is not None:
+            self._split(ps, mb, kwargs, divs)
         return loss, {}
+
+    @torch.no_grad()
+    def _split(self, ps, mb, kwargs, divs) -> None:
+        """The same loss's diagnostics over fresh and over stale tokens only (no gradient)."""
+        a = self.algo
+        stale = (self.split_at_step - mb["versions"].long()) > 0
+        for name, part in (("fresh", ~stale), ("stale", stale)):
+            mask = mb["loss_mask"] * part.to(mb["loss_mask"].dtype)
+            _, stats = compute_policy_loss(
+                a.policy_loss, logp=ps.logp.detach(), rollout_logp=mb["rollout_logp"],
+                advantages=mb["advantages"], response_mask=mask, normalizer=self.normalizer,
+                agg_mode=a.agg_mode, max_response_length=self.max_len, loss_kwargs=kwargs,
+                old_logp=mb.get("old_logp"), divergence=ps.divergence(a.divergence).detach() if divs else None,
+                entropy=ps.entropy.detach(), entropy_coef=a.entropy_coef,
+                ref_logp=mb.get("ref_logp"), kl_estimator=a.kl_estimator,
+                kl_coef=0.0 if a.kl_in_reward else a.kl_coef,
+                correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
+            old = self.split_stats.get(name)
+            self.split_stats[name] = stats if old is None else old.merge(stats)
 
     def finish(self, learner) -> dict[str, float]:
         """Diagnostics of the whole mini-batch (reduced over DP, sent from the last PP stage)."""
@@ -81,6 +107,9 @@ class PolicyLoss:
         if ctx.is_last_stage:
             reduced = reduce_diagnostics(self.stats, dp_group=ctx.dp_group)
             out = [{k: float(v) for k, v in reduced.items()}]
+            for name, stats in self.split_stats.items():
+                part = reduce_diagnostics(stats, dp_group=ctx.dp_group)
+                out[0] |= {f"{name}/{k}": float(v) for k, v in part.items() if not k.startswith("loss/")}
         src = dist.get_global_rank(ctx.pp_group, ctx.pp - 1)
         dist.broadcast_object_list(out, src=src, group=ctx.pp_group)
         return out[0]

@@ -75,6 +75,10 @@ def test_one_step_off_drain_is_exact_and_resumes_bit_for_bit(server_url, tmp_pat
         assert r["async/staleness_max"] == min(r["step"], 1) == r["async/staleness_mean"], r
         assert r["async/old_token_frac"] == min(r["step"], 1)
         assert r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] > 0
+        # The trust-region diagnostics split by staleness: every token is fresh at step 0 and
+        # stale after; stale tokens meet a policy that has moved since they were sampled.
+        assert (r["stale/tokens"], r["fresh/tokens"]) == ((r["tokens"], 0.0) if r["step"] else (0.0, r["tokens"]))
+    assert all(r["stale/abs_logp_diff/mean"] > 0 for r in a[1:])
     digests = [r["data/prompt_digest"] for r in a]
     assert len(set(digests)) == len(digests)
 
