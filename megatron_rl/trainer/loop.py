@@ -23,11 +23,20 @@ from the per-token rewards (estimator on the rollout log-probs) instead of added
 Modes (`trainer.mode`) swap the rollout source, not the loop: `train` (live SGLang),
 `rollout_only` (live, batches saved to rollouts_dir, no training), `train_only` (batches read
 back from rollouts_dir, no servers).
+
+Generation runs on a producer thread (trainer/producer.py) that makes step t's share as soon as
+the weights of step t − `trainer.max_staleness` are on the servers: with 0 that is the synchronous
+loop (each step generates after the previous push, bit for bit as before the thread existed); with
+k > 0 the servers generate the next steps while the learner trains, and every token's weight
+version is in the batch (`versions`) for the staleness bound, the `async/*` metrics and the
+trust-region diagnostics split into `fresh/` and `stale/` tokens. A push either waits for the
+generation admitted before it (drain: exactly k steps off-policy) or, with
+`rollout.partial_rollouts`, cuts it and lets the client continue each response under the new
+weights (`sync_weights`, the one place the two differ). The models are built by trainer/setup.py.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import time
 from contextlib import contextmanager, nullcontext
@@ -41,7 +50,6 @@ from omegaconf import OmegaConf
 from megatron_rl.algorithms.registry import get
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext, init_distributed
-from megatron_rl.learner.learner import Learner
 from megatron_rl.algorithms.advantages import spread_over
 from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_sum
 from megatron_rl.trainer import batch as batching
@@ -50,6 +58,7 @@ from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, s
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
 from megatron_rl.trainer.prompts import PromptStream, load_examples, tokenize
+from megatron_rl.trainer.setup import build_models
 from megatron_rl.trainer.signals import StopRequest
 
 
@@ -188,15 +197,9 @@ class Trainer:
         if ctx.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        self.learner = Learner(cfg, ctx, run_dir=str(self.out_dir), total_steps=t.steps)
-        # The frozen initial policy for the KL penalty: a second, forward-only model with the
-        # policy's layout, built from the same HF checkpoint (never from a resumed checkpoint).
-        self.reference = (Learner(cfg, ctx, run_dir=str(self.out_dir), trainable=False)
-                          if cfg.algorithm.kl_coef else None)
-        self.critic = self._build_critic() if cfg.algorithm.advantage == "gae" else None
-        self.reward_model = self._build_reward_model() if cfg.reward_model.enabled else None
-        if cfg.algorithm.router_replay != "none" and self.learner.router_replay is None:
-            raise ValueError(f"algorithm.router_replay={cfg.algorithm.router_replay} needs an MoE model")
+        models = build_models(cfg, ctx, self.out_dir)
+        self.learner, self.reference, self.critic, self.reward_model = (
+            models.policy, models.reference, models.critic, models.reward_model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.learner.hf_path)
         self.prompts = PromptStream(tokenize(load_examples(cfg.data, "train"), self.tokenizer),
                                     seed=cfg.data.shuffle_seed)
@@ -234,63 +237,18 @@ class Trainer:
                                        log_every_s=t.rollout_wait_log_every,
                                        timeout_name="trainer.rollout_wait_timeout")
 
-    def _build_critic(self):
-        """The value model: the policy's checkpoint (or critic.hf_path) with a scalar head."""
-        from megatron_rl.learner.critic import Critic
-
-        c = self.cfg.critic
-        cfg = copy.deepcopy(self.cfg)
-        cfg.model.hf_path = c.hf_path or str(self.learner.hf_path)
-        cfg.optim = copy.deepcopy(c.optim)
-        return Critic(cfg, self.ctx, run_dir=str(self.out_dir), total_steps=self.cfg.trainer.steps,
-                      value_loss=c.value_loss, value_clip=c.value_clip, loss_agg_mode=c.loss_agg_mode,
-                      max_response_length=self.cfg.rollout.max_new_tokens, head_init_std=c.head_init_std)
-
-    def _build_reward_model(self):
-        from megatron_rl.learner.reward_model import RewardModel
-        from megatron_rl.rewards.served import ServedRewardModel
-
-        rm = self.cfg.reward_model
-        if rm.backend == "sglang":
-            path = Path(rm.hf_path) if rm.hf_path else None if rm.server_urls else self._tiny_reward_checkpoint()
-            model = ServedRewardModel(self.cfg, self.ctx, self.out_dir, path)
-        else:
-            cfg = copy.deepcopy(self.cfg)
-            cfg.model.hf_path = rm.hf_path or str(self._tiny_reward_checkpoint())
-            model = RewardModel(cfg, self.ctx, run_dir=str(self.out_dir))
-        if model.vocab_size is not None and model.vocab_size != self.learner.vocab_size:
-            raise ValueError(f"reward model {model.hf_path} has vocabulary {model.vocab_size}, the policy "
-                             f"{self.learner.vocab_size}: the reward model must share the policy's tokenizer")
-        return model
-
-    def _tiny_reward_checkpoint(self) -> Path:
-        """Collective: rank 0 writes a tiny random reward model into the run dir."""
-        from megatron_rl.models.tiny_reward import make_tiny_reward_checkpoint
-
-        t = self.cfg.reward_model.tiny
-        if t.moe:
-            raise ValueError("reward_model.tiny.moe: the tiny reward model is dense (Qwen3ForSequenceClassification)")
-        path = self.out_dir / "tiny_reward_model"
-        if self.ctx.rank == 0:
-            make_tiny_reward_checkpoint(path, num_layers=t.num_layers, hidden=t.hidden, heads=t.heads,
-                                        kv_heads=t.kv_heads, head_dim=t.head_dim, ffn=t.ffn,
-                                        vocab_size=t.vocab_size, max_positions=t.max_positions,
-                                        init_std=t.init_std, seed=t.seed)
-        if dist.is_initialized():
-            dist.barrier()
-        return path
-
     def _others(self) -> dict:
         """Trained models besides the policy, checkpointed with it."""
         return {"critic": self.critic} if self.critic is not None else {}
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
-        cfg, t = self.cfg, self.cfg.trainer
+        t = self.cfg.trainer
         if self.rollouts is not None:
             # Servers may hold other weights (a resumed run; servers shared across runs): start
             # every run that samples (rollout_only too) by giving them exactly the learner's.
             self.sync_weights()
+            # From here generation runs on a thread, up to trainer.max_staleness steps ahead.
             self._start_producer()
         if self.step == 0 and self.eval_prompts and self.rollouts is not None:
             self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
@@ -787,7 +745,7 @@ class Trainer:
 
     def close(self) -> None:
         if self.feeder is not None:
-            self.feeder.stop()
+            self.feeder.stop(abort=self.rollouts.abort_other_lanes)
         if self.rollouts is not None:
             self.rollouts.close()
         if hasattr(self.reward_model, "close"):

@@ -138,11 +138,15 @@ class Producer:
         with self._cond:
             return len(self._queue)
 
-    def stop(self, timeout: float = 600.0) -> None:
-        """Stop after the target being made (if any); no new target is started."""
+    def stop(self, abort: Optional[Callable[[], None]] = None, timeout: float = 120.0) -> None:
+        """Start no new target; `abort()` (if given) cuts the target being made (a run that stops
+        early, e.g. on SIGTERM, need not wait for generation it will not train on)."""
         with self._cond:
             self._stopping = True
+            busy = self._busy is not None
             self._cond.notify_all()
+        if busy and abort is not None:
+            abort()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -184,7 +188,8 @@ class Producer:
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()/drain()
             with self._cond:
-                self._error = e
+                if not self._stopping:  # an aborted target of a stopping producer is no error
+                    self._error = e
                 self._cond.notify_all()
         finally:
             if self._on_exit is not None:

@@ -194,6 +194,19 @@ class Rollouts:
         finally:
             lane[1].close()
 
+    def abort_other_lanes(self, timeout: float = 30.0) -> None:
+        """Abort the generation of every other thread's client (the producer's, when the run
+        stops early): its running calls raise GenerationAborted."""
+        mine = getattr(self._lanes, "lane", None)
+        with self._lanes_lock:
+            others = [lane for lane in self._all_lanes if lane is not mine]
+        for client, loop in others:
+            if loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(client.abort(), loop).result(timeout)
+                except Exception:  # noqa: BLE001 - the loop may finish meanwhile; nothing to abort then
+                    pass
+
     def pause(self, mode: str) -> None:
         """Rank 0: pause every server's generation (`abort` cuts requests in flight, which the
         producers' clients continue after `resume`; requests sent meanwhile wait). A server that
@@ -432,6 +445,8 @@ class Rollouts:
         try:
             self.close_lane()
             for client, loop in list(self._all_lanes):  # a lane whose thread did not close it
+                if loop.is_running():  # still on its thread (a daemon that dies with the process)
+                    continue
                 try:
                     loop.run_until_complete(client.close())
                 finally:

@@ -280,6 +280,44 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
 
 
+def test_disaggregated_async_partial_rollouts(slurm_cluster, tmp_path):
+    """The same disaggregated layout (DP=2 producers, two servers on the rollout node), trained
+    asynchronously: one step off-policy with partial rollouts, so rank 0 pauses and resumes the
+    remote servers around every push while both producers' threads generate (agreeing through the
+    c10d store) and continue the cut responses."""
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+
+    steps = 4
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128)
+    run = tmp_path / "run"
+    jobid = submit(tmp_path, ["tiny_cpu", f"trainer.steps={steps}", "rollout.prompts_per_step=8",
+                              "rollout.n_samples=4", "rollout.max_new_tokens=16", "learner.micro_batch_size=16",
+                              "algorithm.mini_batches=1", "eval.num_prompts=0", "trainer.plot=false",
+                              f"model.hf_path={ckpt}", "rollout.weight_sync=distributed",
+                              "trainer.max_staleness=1", "rollout.partial_rollouts=true"],
+                   {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
+                    "ROLLOUT_PORT": "30717",
+                    "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
+                                    "--enable-deterministic-inference --log-requests --log-requests-level 2 "
+                                    "--log-requests-format json"},
+                   ("--nodes=2", "--ntasks-per-node=2"))
+    info = wait_for(jobid, tmp_path, timeout=900)
+    log = job_log(tmp_path, jobid)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    assert_two_ranks(run, jobid, log)
+    rows = rl_rows(run)
+    assert [r["step"] for r in rows] == list(range(steps)), rows
+    assert all(r["async/staleness_max"] <= 1 and r["async/tokens_staleness_0"] + r["async/tokens_staleness_1"] > 0
+               for r in rows), rows
+    assert any(r["async/staleness_max"] == 1 for r in rows), rows  # generation ran ahead of the learner
+    digests = [r["data/prompt_digest"] for r in rows]
+    assert len(set(digests)) == steps, digests
+    logs = run / "logs" / f"{jobid}.0"
+    served = [r for k in range(2) for r in served_requests(logs / f"server{k}-{HOST}.log")]
+    assert served and {r["version"] for r in served} <= {str(s) for s in range(steps)}, served[:5]
+    print({r["step"]: (r["async/staleness_mean"], r["async/continued_samples"]) for r in rows})
+
+
 # The RL trainer: `train tiny_cpu` with DP=2 (two srun tasks of distinct ranks), SGLang started by
 # rank 0 beside them (local placement).
 def rl_rows(run: Path) -> list[dict]:

@@ -155,3 +155,22 @@ def test_store_sum_across_threads():
         want = torch.tensor([1 + 2 * i, 2, 0, i])
         assert torch.equal(out[0][i], want) and torch.equal(out[1][i], want)
     assert store.num_keys() <= 4  # each rank keeps its last two keys
+
+
+def test_stop_aborts_the_target_being_made():
+    """A stopping run cuts generation it will not train on; the cut is no error."""
+    cut = threading.Event()
+
+    def produce(target, s):
+        if target == 1:
+            assert cut.wait(30), "never aborted"
+            raise RuntimeError("generation aborted")
+        return [target], {}
+
+    p = Producer(produce, stream(), 1).start(0, published=0)
+    p.get(0)
+    wait_until(lambda: p._busy == 1)
+    start = time.monotonic()
+    p.stop(abort=cut.set)
+    assert time.monotonic() - start < 5 and not p._thread.is_alive()
+    assert p.snapshot() == []  # no error raised, nothing queued
