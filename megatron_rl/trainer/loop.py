@@ -451,6 +451,7 @@ class Trainer:
 
     def _async_metrics(self, counts: torch.Tensor) -> dict[str, float]:
         k = self.cfg.trainer.max_staleness
+        counts = counts.cpu()  # all-reduced on the learner's device
         by_age = counts[:k + 1]
         n = float(by_age.sum())
         ages = torch.arange(k + 1, dtype=torch.float64)

@@ -283,8 +283,10 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
 def test_disaggregated_async_partial_rollouts(slurm_cluster, tmp_path):
     """The same disaggregated layout (DP=2 producers, two servers on the rollout node), trained
     asynchronously: one step off-policy with partial rollouts, so rank 0 pauses and resumes the
-    remote servers around every push while both producers' threads generate (agreeing through the
-    c10d store) and continue the cut responses."""
+    remote servers around every push while both producers' threads generate ahead (agreeing through
+    the c10d store, not a collective). Whether a push finds a response in flight to cut depends on
+    timing (here generation is usually done before training is); cutting and continuing are tested
+    in tests/e2e/test_async_training.py."""
     from megatron_rl.models.tiny import make_tiny_checkpoint
 
     steps = 4
