@@ -524,8 +524,17 @@ def run_cpu(args) -> None:
                       f"response length {med['rollout/response_len_mean']:.1f}; load {before} -> {load()}; "
                       f"server pids pinned {pinned}", flush=True)
     print(f"# load after {load()}")
-    print("\n| config | median s/step | vs sync (per-rep ratios) | generate (of it queue wait) | producer's "
-          "generation per share | train | weight sync | staleness mean | old-token frac | continued samples/step |")
+    json.dump(results, open(root / "results.json", "w"), indent=1)
+    print(f"# per-run medians: {root / 'results.json'} (print the table again: --table FILE)")
+    cpu_table(results)
+
+
+def cpu_table(results: dict[str, list[dict]]) -> None:
+    """Medians over the repetitions of each run's median; speedups are per-repetition ratios
+    sync / config (each repetition's five runs ran back to back)."""
+    print("\n| config | median s/step | speedup vs sync: median (per repetition) | generate (of it queue wait) "
+          "| producer's generation per share | train | weight sync | staleness mean | old-token frac "
+          "| continued samples/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     sync = results["sync"]
     for name, _, _ in CONFIGS:
@@ -535,12 +544,11 @@ def run_cpu(args) -> None:
         def m(key):
             return statistics.median(r[key] for r in rs)
 
-        print(f"| {name} | {m('time/step'):.3f} | {statistics.median(ratios):.3f} "
+        print(f"| {name} | {m('time/step'):.3f} | {statistics.median(ratios):.2f} "
               f"({', '.join(f'{x:.2f}' for x in ratios)}) | {m('time/generate'):.3f} ({m('time/queue_wait'):.3f}) | "
-              f"{m('time/train'):.3f} | {m('time/weight_sync'):.3f} | {m('async/staleness_mean'):.2f} | "
-              f"{m('async/old_token_frac'):.2f} | {m('async/continued_samples'):.1f} |")
-    json.dump(results, open(root / "results.json", "w"), indent=1)
-    print(f"# per-run medians: {root / 'results.json'}")
+              f"{m('time/generate_only'):.3f} | {m('time/train'):.3f} | {m('time/weight_sync'):.3f} | "
+              f"{m('async/staleness_mean'):.2f} | {m('async/old_token_frac'):.2f} | "
+              f"{m('async/continued_samples'):.1f} |")
 
 
 def main() -> None:
@@ -565,8 +573,14 @@ def main() -> None:
     cpu.add_argument("--cpu-steps", type=int, default=0, help="steps per run (default 10; quick 5)")
     cpu.add_argument("--cpu-prompts", type=int, default=16)
     cpu.add_argument("--cpu-samples", type=int, default=8)
+    cpu.add_argument("--table", type=Path, help="only print the table of a finished run's results.json")
     args = ap.parse_args()
-    run_sim(args) if args.part == "sim" else run_cpu(args)
+    if args.part == "sim":
+        run_sim(args)
+    elif args.table:
+        cpu_table(json.load(open(args.table)))
+    else:
+        run_cpu(args)
 
 
 if __name__ == "__main__":
