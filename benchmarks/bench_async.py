@@ -1,7 +1,7 @@
 """Asynchronous training throughput: synchronous vs trainer.max_staleness=1 and 2, each with the
 push draining the producer ("drain") or cutting generation in flight (rollout.partial_rollouts).
 
-    .venv/bin/python benchmarks/bench_async.py sim [--quick]   # ~1 min (--quick: seconds)
+    .venv/bin/python benchmarks/bench_async.py sim [--quick]   # ~10 s (--quick: ~3 s)
     .venv/bin/python benchmarks/bench_async.py cpu [--quick]   # real runs, ~20 min (--quick: ~4)
 
 sim: the REAL `trainer/producer.py` `Producer` (its gate, order and `drain`) between a simulated
@@ -423,7 +423,8 @@ def run_sim(args) -> None:
     base = SimParams(steps=args.steps or (14 if args.quick else 60), warmup=4 if args.quick else 6,
                      slots=args.slots, beta=args.beta, step=args.step, push=args.push,
                      max_new_tokens=args.max_new_tokens, median_frac=args.median_frac, sigma=args.sigma,
-                     prompts=args.prompts, samples=args.samples)
+                     prompts=args.prompts, samples=args.samples, abort_pause=args.abort_pause,
+                     prefill_rate=args.prefill_rate, prompt_len=args.prompt_len)
     fracs = [0.7] if args.quick else args.gen_fracs
     t_start = time.perf_counter()
     print(f"# sim: {base.prompts}x{base.samples} responses/step, max_new_tokens {base.max_new_tokens}, "
@@ -561,6 +562,11 @@ def main() -> None:
                      help="generation's share of the synchronous step (one table each)")
     sim.add_argument("--step", type=float, default=225.0, help="synchronous step, seconds (mean)")
     sim.add_argument("--push", type=float, default=5.0, help="weight push, seconds")
+    sim.add_argument("--abort-pause", type=float, default=1.0,
+                     help="partial: seconds a pause with requests in flight costs (SGLang's abort loop)")
+    sim.add_argument("--prefill-rate", type=float, default=500_000.0,
+                     help="partial: fleet prefill tokens/s for re-prefilling cut sequences")
+    sim.add_argument("--prompt-len", type=int, default=512)
     sim.add_argument("--slots", type=int, default=256, help="concurrent sequences over the fleet")
     sim.add_argument("--beta", type=float, default=0.4, help="cost of a nearly empty decode step / a full one")
     sim.add_argument("--max-new-tokens", type=int, default=8192)
