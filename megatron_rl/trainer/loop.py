@@ -649,15 +649,18 @@ class Trainer:
         new weights (each token's version recorded)."""
         self.weight_version = str(self.step)
         partial = self.cfg.rollout.partial_rollouts
+        start = time.perf_counter()
         if self.feeder is not None and not partial:
-            self.feeder.drain()
+            self.feeder.drain()  # the learner waits here for the admitted generation: time/drain_wait
+        waited = time.perf_counter() - start
         if partial and self.ctx.rank == 0:
             self.rollouts.pause("abort")
         try:
-            return self.rollouts.sync_weights(self.learner, self.weight_version)
+            out = self.rollouts.sync_weights(self.learner, self.weight_version)
         finally:
             if partial and self.ctx.rank == 0:
                 self.rollouts.resume()
+        return out | {"time/drain_wait": waited}
 
     def publish(self) -> dict[str, float]:
         """After a training step: the servers get its weights (trainer.mode=train) and the
