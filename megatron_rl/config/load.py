@@ -80,6 +80,12 @@ def _explain(exc: BaseException, recipe: str) -> ConfigError | None:
             msg = str(e).splitlines()[0]
             if "not in" in msg or "Key '" in msg:
                 parent, valid = valid_keys_at(key)
+                parts = key.split(".")
+                if len(parts) >= 3 and ".".join(parts[:-2]) == parent and parts[-2] in valid:
+                    # A new key inside a free-form dict field (e.g. algorithm.loss_kwargs): Hydra
+                    # adds keys only with a leading '+'.
+                    return ConfigError(f"'{'.'.join(parts[:-1])}' has no key '{parts[-1]}' yet; add one with a "
+                                       f"leading '+': +{key}=...")
                 close = difflib.get_close_matches(key.split(".")[-1], valid, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 return ConfigError(f"unknown config key '{key}'{hint}; valid keys of {parent}: "

@@ -636,10 +636,12 @@ class Trainer:
             return out
 
         mean, first = self._mini_batch_steps(batch, step)
-        if "abs_logp_diff/mean" in first:
-            # The first mini-batch runs on exactly the weights the rollouts came from: its
-            # |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0).
-            mean["mismatch/train_vs_rollout_abs_logp"] = first["abs_logp_diff/mean"]
+        # The first mini-batch runs on exactly the weights that sampled its fresh tokens: their
+        # |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0). Stale tokens
+        # (asynchronous training) differ by the updates since, which is no mismatch.
+        key = "fresh/abs_logp_diff/mean" if split else "abs_logp_diff/mean"
+        if key in first and (not split or first.get("fresh/tokens", 0.0) > 0):
+            mean["mismatch/train_vs_rollout_abs_logp"] = first[key]
         return mean
 
     def sync_weights(self) -> dict[str, float]:

@@ -281,6 +281,12 @@ def test_validate_rejects_inconsistent_algorithm():
         validate(job)
     with pytest.raises(ConfigError, match="unknown config key"):
         load_config("tiny_cpu", ["algorithm.delta=0.2"])
+    # A new key in a free-form dict field needs Hydra's '+'; the error says so, and with it the
+    # key reaches the config.
+    with pytest.raises(ConfigError, match=r"add one with a leading '\+': \+algorithm.loss_kwargs.anchor="):
+        load_config("tiny_cpu", ["algorithm.loss_kwargs.anchor=old"])
+    assert to_object(load_config("tiny_cpu", ["+algorithm.loss_kwargs.anchor=old"])).algorithm.loss_kwargs == {
+        "anchor": "old"}
 
 
 def test_reward_model_reads_prompt_and_response_tokens():
