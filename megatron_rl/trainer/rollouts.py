@@ -418,6 +418,9 @@ class Rollouts:
         """Collective over the learner ranks: send the learner's weights to every server."""
         restarted = [0]
         if self.driver and self.manager is not None:
+            # A server that died since the last push is restarted (and healthy) before this one:
+            # the watchdog polls only every second, and a restart it is making holds the lock.
+            self.manager.restart_dead()
             restarted = [len(self.manager.restart_events) - self._restarts_seen]
             self._restarts_seen += restarted[0]
         if self.driver and (self.transport is None or restarted[0]):
