@@ -292,6 +292,23 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(server_url, tmp_path):  # noqa: 
     assert any(r["rollout/accuracy"] > 0 for r in steps)  # the golden trains on real rewards
 
 
+def kill9_at_checkpoint(out_dir: Path, url: str, args: list[str], step: int) -> None:
+    """Start a run in its own process group and kill -9 all of it once checkpoint `step` exists."""
+    proc = subprocess.Popen(cli(out_dir, url, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        wait_for_checkpoint(out_dir, step, proc)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def final_rows(out_dir: Path) -> list[dict]:
+    """Training rows of a killed and resumed run, the resumed run's row where a step is logged twice."""
+    rows = [r for r in read_metrics(out_dir) if r["step"] >= 0]
+    return [r for i, r in enumerate(rows) if r["step"] not in [x["step"] for x in rows[i + 1:]]]
+
+
 @pytest.mark.slow
 def test_one_step_off_drain_is_exact_and_resumes_bit_for_bit(server_url, tmp_path):  # noqa: F811
     args = ["trainer.max_staleness=1", "trainer.steps=5", "trainer.save_every=1"]
@@ -312,19 +329,12 @@ def test_one_step_off_drain_is_exact_and_resumes_bit_for_bit(server_url, tmp_pat
     assert len(set(digests)) == len(digests)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(cli(killed, server_url, *args), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        wait_for_checkpoint(killed, 2, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill9_at_checkpoint(killed, server_url, args, 2)
     # The checkpoint holds the producer's share of step 2 (made under the weights of step 1).
     assert (killed / "checkpoints" / "step_00000002" / "queue" / "t00000002.dp0.pt").exists()
     out = run(killed, server_url, *args)
     assert "at step 2" in out.stdout
-    b = [r for r in read_metrics(killed) if r["step"] >= 0]
-    b = [r for i, r in enumerate(b) if r["step"] not in [x["step"] for x in b[i + 1:]]]  # the resumed rows win
+    b = final_rows(killed)
     assert [r["step"] for r in b] == list(range(5))
     for ra, rb in zip(stable(a), stable(b)):
         diff = {k: (ra.get(k), rb.get(k)) for k in ra.keys() | rb.keys() if ra.get(k) != rb.get(k)}
@@ -335,16 +345,9 @@ def test_one_step_off_drain_is_exact_and_resumes_bit_for_bit(server_url, tmp_pat
     # (the step's prompts do not depend on the staleness or the cuts).
     partial = tmp_path / "partial"
     pargs = [*args, "rollout.partial_rollouts=true", "rollout.max_new_tokens=16"]
-    proc = subprocess.Popen(cli(partial, server_url, *pargs), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        wait_for_checkpoint(partial, 2, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    kill9_at_checkpoint(partial, server_url, pargs, 2)
     run(partial, server_url, *pargs)
-    c = [r for r in read_metrics(partial) if r["step"] >= 0]
-    c = [r for i, r in enumerate(c) if r["step"] not in [x["step"] for x in c[i + 1:]]]
+    c = final_rows(partial)
     assert [r["step"] for r in c] == list(range(5))
     assert [r["data/prompt_digest"] for r in c] == digests
 
