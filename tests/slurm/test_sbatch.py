@@ -224,6 +224,24 @@ def served_requests(log: Path) -> list[dict]:
     return out
 
 
+def two_servers_env(ckpt: Path, port: int) -> dict[str, str]:
+    """The launcher's environment for one rollout node serving two CPU servers (one per replica) of
+    `ckpt` from `port`, logging every finished request as JSON (`served_requests`)."""
+    return {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
+            "ROLLOUT_PORT": str(port),
+            "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
+                            "--enable-deterministic-inference --log-requests --log-requests-level 2 "
+                            "--log-requests-format json"}
+
+
+def finished(jobid: str, tmp_path: Path) -> tuple[dict, str]:
+    """Wait for the job; it must have completed with exit 0. Returns (its info, its log)."""
+    info = wait_for(jobid, tmp_path, timeout=900)
+    log = job_log(tmp_path, jobid)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    return info, log
+
+
 def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     """ROLLOUT_NODES=1 with two servers on the rollout node (one per replica, dp 1 each) and the
     real RL trainer (tiny_cpu, DP=2) for 3 steps, weights through the process group (gloo)."""
@@ -236,15 +254,8 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
                               f"rollout.n_samples={n}", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
                               "eval.num_prompts=0", "trainer.plot=false", f"model.hf_path={ckpt}",
                               "rollout.weight_sync=distributed"],
-                   {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
-                    "ROLLOUT_PORT": "30617",
-                    "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
-                                    "--enable-deterministic-inference --log-requests --log-requests-level 2 "
-                                    "--log-requests-format json"},
-                   ("--nodes=2", "--ntasks-per-node=2"))
-    info = wait_for(jobid, tmp_path, timeout=900)
-    log = job_log(tmp_path, jobid)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+                   two_servers_env(ckpt, 30617), ("--nodes=2", "--ntasks-per-node=2"))
+    info, log = finished(jobid, tmp_path)
     learner_node, rollout_node = hostnames(info["NodeList"])
     urls = ["http://127.0.0.1:30617", "http://127.0.0.1:30633"]  # ROLLOUT_PORT + 16k on NodeAddr 127.0.0.1
     # The dry-run printed the layout it checked; the script started exactly that.
@@ -297,15 +308,8 @@ def test_disaggregated_async_partial_rollouts(slurm_cluster, tmp_path):
                               "algorithm.mini_batches=1", "eval.num_prompts=0", "trainer.plot=false",
                               f"model.hf_path={ckpt}", "rollout.weight_sync=distributed",
                               "trainer.max_staleness=1", "rollout.partial_rollouts=true"],
-                   {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
-                    "ROLLOUT_PORT": "30717",
-                    "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
-                                    "--enable-deterministic-inference --log-requests --log-requests-level 2 "
-                                    "--log-requests-format json"},
-                   ("--nodes=2", "--ntasks-per-node=2"))
-    info = wait_for(jobid, tmp_path, timeout=900)
-    log = job_log(tmp_path, jobid)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+                   two_servers_env(ckpt, 30717), ("--nodes=2", "--ntasks-per-node=2"))
+    info, log = finished(jobid, tmp_path)
     assert_two_ranks(run, jobid, log)
     rows = rl_rows(run)
     assert [r["step"] for r in rows] == list(range(steps)), rows
