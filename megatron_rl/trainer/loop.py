@@ -406,8 +406,8 @@ class Trainer:
         if not len(batch):
             return counts
         mask = torch.cat(batch.tok["loss_mask"]) > 0
-        d = (target - torch.cat(batch.tok["versions"]).long())[mask]
-        v = torch.cat(batch.tok["versions"])[mask]
+        v = torch.cat(batch.tok["versions"])[mask].long()
+        d = target - v
         ok = (v >= 0) & (d >= 0) & (d <= k)
         counts[:k + 1] = torch.bincount(d[ok], minlength=k + 1)[:k + 1].double()
         counts[k + 1] = float((~ok).sum())
