@@ -1,7 +1,7 @@
-"""Supervised warm-up on the synthetic addition task: Megatron-Core training end to end on CPU.
+"""Supervised warm-up on the synthetic task (data.synthetic): Megatron-Core training end to end on CPU.
 
 Each step draws a fresh global batch of problems
-"a+b=" + answer, trains with the masked token-NLL on the answer tokens through the learner (any
+"a+b=" + answer (or solution: a scratchpad), trains with the masked token-NLL on those tokens through the learner (any
 TP/PP/DP/EP layout), and every `log_every` steps reports loss and greedy exact-match accuracy on
 held-out problems (greedy decoding of the answer succeeds iff every answer token is the argmax
 given the correct prefix, so one teacher-forced forward pass measures it exactly). The run dir
@@ -25,13 +25,20 @@ from megatron_rl.learner.learner import Learner
 from megatron_rl.vocab_parallel import vocab_parallel_topk
 
 
-def encode(problems: list[Problem], tokenizer) -> dict[str, torch.Tensor]:
-    """Right-padded [B, S] batch; the loss covers the answer and the end-of-turn token."""
+def encode(problems: list[Problem], tokenizer, chat: bool = False) -> dict[str, torch.Tensor]:
+    """Right-padded [B, S] batch; the loss covers the target (the solution, else the answer) and
+    the end-of-turn token. `chat`: the prompt as the RL rollouts send it (one user message in the
+    chat template, with the assistant turn opened)."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     seqs, masks = [], []
     for p in problems:
-        prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
-        answer = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos]
+        if chat:
+            prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}],
+                                                        add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False))
+        else:
+            prompt = tokenizer(p.prompt, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(p.target, add_special_tokens=False)["input_ids"] + [eos]
         seqs.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     S = max(map(len, seqs))
@@ -74,13 +81,15 @@ def run(cfg: JobConfig, ctx: ParallelContext) -> list[dict]:
     learner = Learner(cfg, ctx, run_dir=str(out_dir), total_steps=cfg.train.steps)
     tokenizer = AutoTokenizer.from_pretrained(learner.hf_path)
     t = cfg.train
-    eval_batch = encode(make_problems(t.global_batch_size * 4, seed=10_000 + t.seed,
-                                              operand_digits=t.operand_digits), tokenizer)
+    s = cfg.data.synthetic
+    task = dict(operand_digits=s.operand_digits, num_operands=s.num_operands, modulo=s.modulo, op=s.op,
+                max_answer=s.max_answer, balance_answers=s.balance_answers)
+    eval_batch = encode(make_problems(t.global_batch_size * 4, seed=10_000 + t.seed, **task), tokenizer, t.chat)
     history = []
     display = _Display(ctx.rank == 0, t.steps)
+    step = 0
     for step in range(1, t.steps + 1):
-        batch = encode(make_problems(t.global_batch_size, seed=t.seed * 1_000_003 + step,
-                                     operand_digits=t.operand_digits), tokenizer)
+        batch = encode(make_problems(t.global_batch_size, seed=t.seed * 1_000_003 + step, **task), tokenizer, t.chat)
         start = time.perf_counter()
         metrics = learner.train_step(batch)
         metrics.update(step=step, step_time=time.perf_counter() - start,
@@ -89,10 +98,12 @@ def run(cfg: JobConfig, ctx: ParallelContext) -> list[dict]:
             metrics["eval_accuracy"] = greedy_accuracy(learner, eval_batch)
         history.append(metrics)
         display.update(metrics)
+        if t.target_accuracy is not None and metrics.get("eval_accuracy", -1.0) >= t.target_accuracy:
+            break  # the base stage's early stop (models/base.py)
     display.close()
     # The trainer's checkpoint format: `megatron-rl export` turns it into a HF folder, from which
     # an RL run can start (model.hf_path).
-    save_checkpoint(learner, out_dir, t.steps, {"step": t.steps})
+    save_checkpoint(learner, out_dir, step, {"step": step})
     if ctx.rank == 0:
         with open(out_dir / "metrics.jsonl", "w") as f:
             for m in history:

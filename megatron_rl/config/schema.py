@@ -33,11 +33,28 @@ class TinyModelConfig:
 
 
 @dataclass
+class BaseModelConfig:
+    """A supervised base stage (models/base.py): `tiny` trained on data.synthetic's solutions until
+    its greedy held-out accuracy reaches `target_accuracy`, exported as a HF checkpoint and cached
+    by this config; RL starts from it (as the DPPO paper starts from a base model)."""
+
+    sft_steps: int = 0  # most supervised steps; 0 = no base stage (RL starts from `tiny` or hf_path)
+    target_accuracy: float = 1.0  # stop at the first eval whose greedy held-out accuracy reaches this
+    eval_every: int = 25  # steps between those evals
+    batch_size: int = 64  # problems per supervised step
+    lr: float = 3e-3  # Adam learning rate (constant after warm-up)
+    warmup_steps: int = 10  # linear warm-up steps
+    seed: int = 0  # data seed of the supervised problems
+    cache_dir: str = "runs/base_models"  # cache root: <cache_dir>/<hash of the rest>/hf
+
+
+@dataclass
 class ModelConfig:
     """Which model the learner builds, and how."""
 
     hf_path: Optional[str] = None  # HF checkpoint folder; None = build `tiny` into the run dir
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when hf_path is None
+    base: BaseModelConfig = field(default_factory=BaseModelConfig)  # supervised base stage of `tiny` (when hf_path is None)
     dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
     spec: str = "auto"  # layer spec: auto (te on GPU, local on CPU) | te (Transformer Engine; an error without it) | local (torch modules, no fused kernels)
     recompute: str = "none"  # activation recompute: none | full (every layer, uniform)
@@ -90,8 +107,9 @@ class TrainConfig:
 
     steps: int = 60  # optimizer steps
     global_batch_size: int = 16  # sequences per step, across data-parallel ranks
-    seed: int = 0  # data seed
-    operand_digits: int = 1  # synthetic addition task: digits per operand
+    seed: int = 0  # data seed (the task is data.synthetic; the supervised target is each problem's solution)
+    chat: bool = False  # prompts in the chat template, as the RL rollouts see them
+    target_accuracy: Optional[float] = None  # stop at the first eval whose greedy held-out accuracy reaches this
     log_every: int = 5  # print a metrics line every N steps
     out_dir: str = "runs/${name}"  # run directory (metrics, plots, tiny model)
 
@@ -250,6 +268,7 @@ class TrainerConfig:
     wandb_project: str = "megatron-rl"
     rollout_wait_timeout: float = 7200.0  # seconds a rank waits for its group leader's rollouts before failing
     rollout_wait_log_every: float = 300.0  # seconds between a waiting rank's log lines (time waited, leader's progress)
+    token_log_every: int = 0  # every N steps, write each mini-batch's loss tokens (ids, log μ, log π, advantage) to out_dir/tokens/ for token-level analysis (benchmarks/testbed_report.py); 0 = off
     max_staleness: int = 0  # asynchronous training: step t's rollouts may come from weights up to this many steps old (generation runs ahead while the learner trains); 0 = synchronous
 
 

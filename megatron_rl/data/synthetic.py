@@ -10,6 +10,16 @@ policy is right ~1% of the time; modular addition is far harder for a tiny model
 max or small sums, so the demo uses max, with `balance_answers` so that small maxima are not
 rare). Difficulty knobs: `op`, `operand_digits`, `num_operands`, `modulo`, `max_answer`,
 `balance_answers`.
+
+`op="add_steps"`: column addition with a written scratchpad, the multi-token task of the testbed
+(recipes/testbed_cpu.yaml). Operands are zero-padded to `operand_digits`; the solution works the
+columns right to left, one `x+y+carry=ss` step each, then `>` and the sum:
+
+    prompt "864+394="   solution "4+4+0=08,6+9+0=15,8+3+1=12>1258"   answer "1258"
+
+(8 + 9·(digits−1) + 1 + answer characters: 31 for three digits, 20 for two). The supervised base
+stage trains on the solution; the rule reward (`scratchpad`, rewards/synthetic.py) checks only the
+answer after the last `>`, as math rewards check only the final answer.
 """
 
 from __future__ import annotations
@@ -25,9 +35,15 @@ from megatron_rl.data.datasets import PromptExample
 class Problem:
     prompt: str  # e.g. "12+7="
     answer: str  # e.g. "19"
+    solution: str = ""  # the supervised target when it differs from the answer (add_steps' scratchpad)
+
+    @property
+    def target(self) -> str:
+        """What the supervised base stage trains on: the solution, else the answer."""
+        return self.solution or self.answer
 
 
-OPS = ("add", "max")
+OPS = ("add", "max", "add_steps")
 
 
 def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int = 2,
@@ -45,8 +61,10 @@ def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int 
         raise ValueError("operand_digits must be >= 1 and num_operands >= 2")
     if op not in OPS:
         raise ValueError(f"unknown synthetic op {op!r}; valid: {', '.join(OPS)}")
-    if op == "max" and modulo:
+    if op != "add" and modulo:
         raise ValueError("modulo applies to op='add' only")
+    if op == "add_steps" and num_operands != 2:
+        raise ValueError("op='add_steps' adds two operands (num_operands=2)")
     if max_answer is not None and max_answer < 0:
         raise ValueError(f"max_answer must be >= 0, got {max_answer}")
     rng = random.Random(seed)
@@ -61,6 +79,8 @@ def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int 
         xs = [rng.randint(0, target if op == "max" and target is not None else hi) for _ in range(num_operands)]
         if op == "max":
             problem = Problem(f"max({','.join(map(str, xs))})=", str(max(xs)))
+        elif op == "add_steps":
+            problem = column_addition(xs[0], xs[1], operand_digits)
         elif modulo:
             problem = Problem(f"{'+'.join(map(str, xs))}%{modulo}=", str(sum(xs) % modulo))
         else:
@@ -72,6 +92,24 @@ def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int 
     return out
 
 
+def column_addition(a: int, b: int, digits: int) -> Problem:
+    """`a+b` with the column-by-column scratchpad of op="add_steps" (see the module docstring)."""
+    sa, sb = str(a).zfill(digits), str(b).zfill(digits)
+    steps, carry = [], 0
+    for x, y in zip(map(int, reversed(sa)), map(int, reversed(sb))):
+        s = x + y + carry
+        steps.append(f"{x}+{y}+{carry}={s:02d}")
+        carry = s // 10
+    return Problem(f"{sa}+{sb}=", str(a + b), ",".join(steps) + f">{a + b}")
+
+
+def final_answer(completion: str) -> str | None:
+    """The answer after the last `>` of a scratchpad completion (up to the end of turn); None
+    when there is no `>`."""
+    text = completion.split("<|im_end|>")[0]
+    return text.rsplit(">", 1)[1].strip() if ">" in text else None
+
+
 def as_prompt_examples(problems: list[Problem]) -> list[PromptExample]:
     """The problems as chat prompts (one user message each) for the rollout path."""
     return [PromptExample(({"role": "user", "content": p.prompt},), p.answer, "synthetic", f"synthetic:{i + 1}")
@@ -79,5 +117,8 @@ def as_prompt_examples(problems: list[Problem]) -> list[PromptExample]:
 
 
 def is_correct(problem: Problem, completion: str) -> bool:
-    """Exact match of the completion (up to the end-of-turn token, whitespace-stripped)."""
+    """Exact match of the completion (up to the end-of-turn token, whitespace-stripped); for a
+    scratchpad problem, of its final answer."""
+    if problem.solution:
+        return final_answer(completion) == problem.answer
     return completion.split("<|im_end|>")[0].strip() == problem.answer

@@ -622,13 +622,18 @@ class Trainer:
         a = self.cfg.algorithm
         routing = "replay" if a.router_replay != "none" else None
         split = self.cfg.trainer.max_staleness > 0 and "versions" in batch
+        every = self.cfg.trainer.token_log_every
+        records: list[list[dict]] = []
 
         def step(mb):
             loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens,
                                  dp_group=self.ctx.dp_group, device=self.ctx.device,
-                                 split_at_step=self.step if split else None)
+                                 split_at_step=self.step if split else None,
+                                 record=every > 0 and self.step % every == 0)
             out = self.learner.train_step(mb, loss_fn, routing=routing)
             out |= loss_fn.finish(self.learner)
+            if loss_fn.records is not None:
+                records.append(loss_fn.records)
             bad = nonfinite(out)
             if bad:
                 raise TrainingError(f"step {self.step}: non-finite {', '.join(bad)} "
@@ -636,6 +641,10 @@ class Trainer:
             return out
 
         mean, first = self._mini_batch_steps(batch, step)
+        if records and self.ctx.is_last_stage and self.ctx.tp_rank == 0:
+            path = self.out_dir / "tokens" / f"step{self.step}.dp{self.ctx.dp_rank}.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"step": self.step, "mini_batches": records}, path)
         # The first mini-batch runs on exactly the weights that sampled its fresh tokens: their
         # |log π − log μ| is the trainer-vs-engine mismatch (R3 drives it to ~0). Stale tokens
         # (asynchronous training) differ by the updates since, which is no mismatch.
@@ -766,6 +775,10 @@ class Trainer:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Entry point for every learner rank (torchrun / srun / one process)."""
+    if cfg.model.hf_path is None and cfg.model.base.sft_steps > 0:
+        from megatron_rl.models.base import ensure_base_model
+
+        cfg.model.hf_path = str(ensure_base_model(cfg))  # built once, then cached (file-locked)
     ctx = init_distributed(cfg.parallel)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)

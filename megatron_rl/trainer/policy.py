@@ -26,12 +26,15 @@ class PolicyLoss:
     """`loss_fn(logits_BSV, mb, tp_group, vocab_size)` for one mini-batch (see learner.py)."""
 
     def __init__(self, algo: AlgorithmConfig, mini_batch, temperature: float,
-                 max_response_length: int, *, dp_group=None, device=None, split_at_step: int | None = None):
+                 max_response_length: int, *, dp_group=None, device=None, split_at_step: int | None = None,
+                 record: bool = False):
         """`mini_batch`: the whole mini-batch (a dict every rank holds), or this rank's part of it
         (a RolloutBatch; then `dp_group` sums the normaliser over the data-parallel ranks).
         `split_at_step`: the learner's step in asynchronous training; the trust-region diagnostics
         are then also reported apart for tokens sampled by the weights of this step (`fresh/`) and
-        by older ones (`stale/`), from the batch's per-token `versions`."""
+        by older ones (`stale/`), from the batch's per-token `versions`.
+        `record`: keep every loss token's log π, log μ and advantage with its sequence (`records`;
+        trainer.token_log_every writes them for the testbed's token-level analysis)."""
         self.algo, self.temperature, self.max_len = algo, temperature, max_response_length
         self.split_at_step = split_at_step
         self.split_stats: dict[str, object] = {}
@@ -47,6 +50,7 @@ class PolicyLoss:
             raise ValueError(f"algorithm.loss_kwargs.entropy_eps is an ASPO option; policy_loss is "
                              f"{algo.policy_loss}")
         self.stats = None
+        self.records: list[dict[str, torch.Tensor]] | None = [] if record else None
 
     def __call__(self, logits_BSV, mb, tp_group, vocab_size):
         a = self.algo
@@ -77,9 +81,26 @@ class PolicyLoss:
             kl_coef=0.0 if a.kl_in_reward else a.kl_coef,  # in the rewards instead (trainer/loop.py)
             correction=a.correction, correction_kwargs=dict(a.correction_kwargs))
         self.stats = stats if self.stats is None else self.stats.merge(stats)
+        if self.records is not None:
+            self._record(ps, mb)
         if self.split_at_step is not None:
             self._split(ps, mb, kwargs, divs)
         return loss, {}
+
+    @torch.no_grad()
+    def _record(self, ps, mb) -> None:
+        """The micro-batch's sequences that hold loss tokens, and per token (row-major over them):
+        the position, log μ, log π and the advantage. Compact: int32 ids, float32 values."""
+        mask = mb["loss_mask"] > 0
+        rows = mask.any(dim=1)
+        m = mask[rows]
+        self.records.append({
+            "input_ids": mb["input_ids"][rows].to("cpu", torch.int32),
+            "loss_mask": m.cpu(),
+            "rollout_logp": mb["rollout_logp"][rows][m].float().cpu(),
+            "logp": ps.logp.detach()[rows][m].float().cpu(),
+            "advantages": mb["advantages"][rows][m].float().cpu(),
+        })
 
     @torch.no_grad()
     def _split(self, ps, mb, kwargs, divs) -> None:

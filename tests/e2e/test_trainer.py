@@ -257,10 +257,10 @@ def test_compare_runs_every_algorithm_and_plots(tmp_path):
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert sorted(summary) == ["dppo_binary_tv", "pg_is"]
-    assert all(len(s["final_train_accuracy"]) == 2 for s in summary.values())
+    assert sorted(summary["methods"]) == ["dppo_binary_tv", "pg_is"] and summary["seeds"] == [3, 4]
+    assert all(len(s["per_seed"]) == 2 for s in summary["methods"].values())
     assert (out / "accuracy.png").stat().st_size > 10_000
-    for algo in summary:
+    for algo in summary["methods"]:
         for seed in (3, 4):  # --first-seed 3
             rows = [r for r in read_metrics(out / algo / f"seed{seed}") if r["step"] >= 0]
             assert [r["step"] for r in rows] == [0, 1]
