@@ -63,7 +63,9 @@ def run_compare(out: Path, algorithms: list[str], overrides: list[str], args) ->
     start-up, model build, every step and the final checkpoint, not the shared server's start."""
     cmd = [sys.executable, "-m", "megatron_rl.cli", "compare", "--recipe", "tiny_cpu",
            "--algorithms", ",".join(algorithms), "--seeds", str(args.seeds), "--first-seed", str(args.first_seed),
-           "--steps", str(args.steps), "--out", str(out), *overrides]
+           "--steps", str(args.steps), "--out", str(out),
+           "--advantage", "config",  # each algorithm config's own estimator, as when docs/benchmarks.md was made
+           *overrides]
     print("[bench] " + " ".join(cmd[2:]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     wall: dict[str, float] = {}

@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
             "best_mean": sum(s["best"] for s in per_seed) / len(per_seed),
             "collapses": sum(s["collapses"] for s in per_seed)}
         hits = [s["steps_to_target"] for s in per_seed]
-        print(f"[compare] {label:22s} final (mean of last 5 steps) " + " ".join(f"{x:.2f}" for x in finals)
+        print(f"[compare] {label:22s} final train accuracy (mean of the last 5 steps) " + " ".join(f"{x:.2f}" for x in finals)
               + f"  mean {summary['methods'][label]['final_mean']:.2f}  steps to {args.target:.2f}: "
               + " ".join("-" if h is None else str(h) for h in hits), flush=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
