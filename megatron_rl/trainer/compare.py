@@ -5,7 +5,7 @@ normal `train` run of the recipe (default tiny_cpu) with the method's overrides 
 to the sampling and the prompt order (and to the model init when the recipe starts from random
 weights; a recipe with a base stage, model.base, starts every run from the same cached base). All
 runs share one SGLang server (each run starts by pushing its own weights to it), so only one server
-start-up is paid.
+start-up is paid; `--parallel N` starts N servers, one per run in flight.
 
     megatron-rl compare --recipe testbed_cpu --seeds 3 --steps 40
     -> runs/compare/<method>/seed<k>/..., runs/compare/accuracy.png, runs/compare/summary.json
@@ -19,8 +19,8 @@ trial budget (1 per method) beside the results. The default set is the paper's m
 
 `--first-seed F` runs seeds F .. F + seeds − 1 (e.g. `--first-seed 3 --seeds 2` adds seeds 3 and 4
 to an earlier 3-seed comparison). A run whose metrics already reach the last step is kept, so an
-interrupted comparison continues where it stopped. `--parallel N` runs N at once (the server is
-shared; each run gets 1/N of the CPU threads).
+interrupted comparison continues where it stopped. `--parallel N` runs N at once, each against a
+server of its own (a run owns its server's weights), each with 1/N of the CPU threads.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shlex
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--first-seed", type=int, default=0,
                    help="seeds first-seed .. first-seed + seeds - 1 (more seeds later without rerunning these)")
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--parallel", type=int, default=1, help="runs at once (they share the one server)")
+    p.add_argument("--parallel", type=int, default=1, help="runs at once (one server each)")
     p.add_argument("--target", type=float, default=TARGET, help="the accuracy of 'steps to target'")
     p.add_argument("--out", default="runs/compare")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
@@ -144,12 +145,16 @@ def main(argv: list[str]) -> int:
         model, seeded_init = make_tiny_checkpoint(out / "server_model", **vars(job.model.tiny)), True
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = [(label, seed) for label in methods for seed in seeds]
-    threads = max(1, (os.cpu_count() or 1) // args.parallel)
+    lanes = max(1, args.parallel)
+    threads = max(1, (os.cpu_count() or 1) // lanes)
     r = job.rollout
     start = time.perf_counter()
     # The runs' seeded sampling needs the server's deterministic mode (server_extra_args).
     with EngineManager(ServerConfig(model_path=str(model), dtype=server_dtype(job), max_total_tokens=r.max_total_tokens,
-                                    extra_args=server_extra_args(job)), 1, log_dir=out / "server_logs") as mgr:
+                                    extra_args=server_extra_args(job)), lanes, log_dir=out / "server_logs") as mgr:
+        free = queue.Queue()
+        for url in mgr.urls():
+            free.put(url)
 
         def run(item) -> None:
             label, seed = item
@@ -157,11 +162,18 @@ def main(argv: list[str]) -> int:
             if _finished(run_dir, args.steps):
                 print(f"[compare] {label} seed {seed}: done before, kept ({run_dir})", flush=True)
                 return
+            url = free.get()  # a server of its own while it runs (a run pushes its weights to it)
+            try:
+                _run(label, seed, run_dir, url)
+            finally:
+                free.put(url)
+
+        def _run(label, seed, run_dir, url) -> None:
             cmd = [sys.executable, "-m", "megatron_rl.cli", "train", args.recipe, *methods[label],
                    f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",
                    *([f"model.tiny.seed={seed}"] if seeded_init else []),
                    f"trainer.out_dir={run_dir}", "trainer.resume=false",
-                   f"rollout.server_urls=[{mgr.urls()[0]}]", "trainer.progress=false", *shared]
+                   f"rollout.server_urls=[{url}]", "trainer.progress=false", *shared]
             print(f"[compare] {label} seed {seed} -> {run_dir}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -171,7 +183,7 @@ def main(argv: list[str]) -> int:
             if rc:
                 raise RuntimeError(f"{label} seed {seed} failed (exit {rc}); see {run_dir / 'compare.log'}")
 
-        with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        with ThreadPoolExecutor(lanes) as pool:
             list(pool.map(run, jobs))
     runs = {label: [out / label / f"seed{s}" for s in seeds] for label in methods}
     png = plot_compare(runs, out / "accuracy.png")
