@@ -1,6 +1,6 @@
 """The testbed pipeline end to end, small (CI smoke, ~2-3 min): the supervised base stage (built,
-then reused from its cache), `megatron-rl compare --recipe testbed_cpu` with two methods against one
-bfloat16 SGLang server, the token log, and the report (benchmarks/testbed_report.py)."""
+then reused from its cache), `megatron-rl compare --recipe testbed_cpu` with two methods at once (`--parallel 2`:
+a bfloat16 SGLang server each), the token log, and the report (benchmarks/testbed_report.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_testbed_compare_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "compare", "--recipe", "testbed_cpu", "--algorithms", "",
          "--method", "dppo_tv=dppo_binary_tv", "--method", "grpo_clip_higher=grpo_clip_higher",
-         "--seeds", "1", "--first-seed", "2", "--steps", "2", "--out", str(out), *overrides],
+         "--seeds", "1", "--first-seed", "2", "--steps", "2", "--parallel", "2", "--out", str(out), *overrides],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -43,6 +43,11 @@ def test_testbed_compare_smoke(tmp_path):
     stamp = (base / "base.json").stat().st_mtime_ns
     assert ensure_base_model(job) == base / "hf" and (base / "base.json").stat().st_mtime_ns == stamp
 
+    # the two runs ran at the same time, each against its own server (weights are per server)
+    assert len(list((out / "server_logs").glob("server*.log"))) == 2
+    urls = {yaml.safe_load((out / m / "seed2" / "config.yaml").read_text())["rollout"]["server_urls"][0]
+            for m in ("dppo_tv", "grpo_clip_higher")}
+    assert len(urls) == 2, urls
     summary = json.loads((out / "summary.json").read_text())
     assert list(summary["methods"]) == ["dppo_tv", "grpo_clip_higher"] and summary["seeds"] == [2]
     assert "algorithm.advantage=dr_grpo" in summary["shared_overrides"]
@@ -57,7 +62,7 @@ def test_testbed_compare_smoke(tmp_path):
         rows = [r for r in read_metrics(run_dir) if r["step"] >= 0]
         assert [r["step"] for r in rows] == [0, 1]
         # bfloat16 engine vs float32 learner: a real mismatch (a float32 server gives ~1e-6)
-        assert all(r["mismatch/train_vs_rollout_abs_logp"] > 1e-3 for r in rows), rows
+        assert all(r["mismatch/train_vs_rollout_abs_logp"] > 5e-4 for r in rows), rows
         # the token log: 8 mini-batches, per-token log μ equal to the rollout's, log π near it
         log = torch.load(run_dir / "tokens" / "step0.dp0.pt", weights_only=True)
         assert len(log["mini_batches"]) == 8
