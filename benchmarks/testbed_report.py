@@ -103,7 +103,7 @@ def rules(mu: torch.Tensor, pi: torch.Tensor, adv: torch.Tensor) -> tuple[torch.
     return ppo, tv
 
 
-def token_analysis(runs: dict[str, list[Path]], tokenizer, examples: int = 4) -> str:
+def token_analysis(runs: dict[str, list[Path]], tokenizer) -> str:
     lines = ["| method | tokens | bucket | share | PPO-clip stops | TV stops | both | PPO only | TV only | "
              "mean |π−μ| of PPO-only | mean π/μ of TV-only |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     picked = {"ppo": [], "tv": []}
@@ -127,26 +127,35 @@ def token_analysis(runs: dict[str, list[Path]], tokenizer, examples: int = 4) ->
                 f"| {int((b & ppo & tv).sum()) / k:.4f} | {int(po.sum()) / k:.4f} | {int(to.sum()) / k:.4f} "
                 f"| {fmt((pi - mu)[po].abs().mean().item() if po.any() else None, '.3f')} "
                 f"| {fmt((pi / mu)[to].mean().item() if to.any() else None, '.3f')} |")
-        # examples: the extreme tokens each rule alone stops (largest ratio / largest mass shift)
+        # examples: the extreme tokens each rule alone stops (largest ratio / largest mass shift),
+        # one per advantage sign; a group's samples are often the same text: distinct ones only
         offsets = torch.tensor([0] + [len(p["logp"]) for p in parts]).cumsum(0)
         for kind, sel, score in (("ppo", ppo & ~tv, (pi / mu).log().abs()), ("tv", tv & ~ppo, (pi - mu).abs())):
-            idx = sel.nonzero()[:, 0]
-            for i in idx[score[idx].argsort(descending=True)][:2].tolist():
-                j = int(torch.searchsorted(offsets, i, right=True)) - 1
-                p, t = parts[j], i - int(offsets[j])
-                row, col = int(p["row"][t]), int(p["col"][t])
-                ids = p["input_ids"][row].tolist()
-                resp = p["loss_mask"][row].nonzero()[:, 0]
-                start, end = int(resp[0]), int(resp[-1])
-                text = tokenizer.decode(ids[start + 1:col + 1]) + "⟦" + tokenizer.decode(ids[col + 1:col + 2]) + "⟧" \
-                    + tokenizer.decode(ids[col + 2:end + 2])
-                prompt = tokenizer.decode(ids[:start + 1]).split("user\n")[-1].split("<|im_end|>")[0]
-                picked[kind].append(f"| {label} | step {p['step']} mb {p['mini_batch']} | `{prompt}` | `{text}` "
-                                    f"| {mu[i]:.4f} | {pi[i]:.4f} | {pi[i] / mu[i]:.2f} | {adv[i]:+.2f} |")
+            for sign in (adv > 0, adv < 0):
+                idx = (sel & sign).nonzero()[:, 0]
+                seen = set()
+                for i in idx[score[idx].argsort(descending=True)].tolist():
+                    if len(seen) == 1:
+                        break
+                    j = int(torch.searchsorted(offsets, i, right=True)) - 1
+                    p, t = parts[j], i - int(offsets[j])
+                    row, col = int(p["row"][t]), int(p["col"][t])
+                    ids = p["input_ids"][row].tolist()
+                    resp = p["loss_mask"][row].nonzero()[:, 0]
+                    start, end = int(resp[0]), int(resp[-1])
+                    text = (tokenizer.decode(ids[start + 1:col + 1]) + "⟦" + tokenizer.decode(ids[col + 1:col + 2])
+                            + "⟧" + tokenizer.decode(ids[col + 2:end + 2]))
+                    prompt = tokenizer.decode(ids[:start + 1]).split("user\n")[-1].split("<|im_end|>")[0]
+                    if (prompt, text) in seen:
+                        continue
+                    seen.add((prompt, text))
+                    picked[kind].append(f"| {label} | step {p['step']} mb {p['mini_batch']} | `{prompt}` | `{text}` "
+                                        f"| {mu[i]:.4f} | {pi[i]:.4f} | {pi[i] / mu[i]:.2f} | {adv[i]:+.2f} |")
     ex_head = "| method | where | prompt | response (⟦token⟧) | μ | π | π/μ | A |\n|---|---|---|---|---|---|---|---|"
-    return ("\n".join(lines) + "\n\nTokens only ratio clipping stops (largest |log π/μ|):\n\n" + ex_head + "\n"
-            + "\n".join(picked["ppo"][: 2 * examples]) + "\n\nTokens only TV stops (largest |π−μ|):\n\n"
-            + ex_head + "\n" + "\n".join(picked["tv"][: 2 * examples]))
+    return ("\n".join(lines) + "\n\nTokens only ratio clipping stops (largest |log π/μ| per method and "
+            "advantage sign):\n\n" + ex_head + "\n" + "\n".join(picked["ppo"])
+            + "\n\nTokens only TV stops (largest |π−μ| per method and advantage sign):\n\n"
+            + ex_head + "\n" + "\n".join(picked["tv"]))
 
 
 def plots(name: str, runs: dict[str, list[Path]], figures: Path) -> list[Path]:
