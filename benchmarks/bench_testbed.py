@@ -47,7 +47,7 @@ MOE = [
 def compare(recipe: str, methods: list[str], out: Path, args, lr: str) -> None:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "compare", "--recipe", recipe, "--out", str(out),
            "--seeds", str(args.seeds), "--first-seed", str(args.first_seed), "--steps", str(args.steps),
-           "--parallel", str(args.parallel), "--algorithms", ""]
+           "--parallel", str(args.parallel), "--target", str(args.target), "--algorithms", ""]
     for m in methods:
         cmd += ["--method", m]
     cmd += [f"optim.lr={lr}", f"trainer.token_log_every={args.token_log_every}", *args.overrides]
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", default="1e-4,2.5e-4", help="learning rates every dense method runs at")
     p.add_argument("--only", choices=["dense", "moe"], default=None)
     p.add_argument("--figures", default="docs/figures")
+    p.add_argument("--target", type=float, default=0.5, help="the accuracy of 'steps to target'")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of every run")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         done.append(out / f"moe_lr{lr}")
     wall = time.perf_counter() - start
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "testbed_report.py"), *map(str, done),
-                    "--figures", args.figures, "--out", str(out / "report.md")], check=True, cwd=ROOT)
+                    "--figures", args.figures, "--target", str(args.target), "--out", str(out / "report.md")], check=True, cwd=ROOT)
     print(f"[bench_testbed] dense {t_dense / 60:.1f} min, all {wall / 60:.1f} min; report {out / 'report.md'}")
     return 0
 
