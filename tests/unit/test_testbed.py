@@ -89,12 +89,14 @@ def test_compare_method_specs():
             parse_methods("cispo", bad)
 
 
-def test_collapse_events():
+def test_collapse_events_and_smoothing():
     assert collapse_events([0.5, 0.6, 0.7, 0.7]) == 0
-    assert collapse_events([0.8] + [0.4] * 5) == 1  # 5 steps > 0.3 below the best
-    assert collapse_events([0.8] + [0.4] * 4 + [0.8]) == 0  # 4 steps: a dip, not a collapse
-    assert collapse_events([0.8] + [0.4] * 9) == 1  # one stretch counts once
-    assert collapse_events([0.8] + [0.4] * 5 + [0.8] + [0.1] * 6) == 2
+    assert collapse_events([0.8] + [0.3] * 5) == 1  # 5 steps below half the best
+    assert collapse_events([0.8] + [0.3] * 4 + [0.8]) == 0  # 4 steps: a dip, not a collapse
+    assert collapse_events([0.8] + [0.3] * 9) == 1  # one stretch counts once
+    assert collapse_events([0.26] + [0.05] * 5) == 1  # relative: a low base collapses too
+    assert collapse_events([0.8] + [0.3] * 5 + [0.8] + [0.1] * 6) == 2
+    assert smoothed([1.0, 0.0, 0.5, 0.5, 0.0, 1.0], window=3) == [1.0, 0.5, 0.5, 1 / 3, 1 / 3, 0.5]
 
 
 def test_report_rules_are_the_two_trust_regions():
