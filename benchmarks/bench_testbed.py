@@ -9,7 +9,8 @@
    where the runs degrade): the same trials for every method.
 2. `megatron-rl compare --recipe testbed_moe_cpu` (Qwen3-MoE base, the first learning rate): DPPO
    binary-TV with rollout routing replay (R3) and without.
-3. benchmarks/testbed_report.py: the tables and figures (docs/figures/testbed_*.png).
+3. benchmarks/testbed_report.py: the tables and figures (docs/figures/testbed_*.png);
+   `--report-only` makes them again from the comparisons already run.
 
 Every run shares everything but the method (compare: Dr.GRPO advantages for all, the recipe's
 learning rate, batch, 8 optimizer steps per batch; one hyperparameter trial per method) and logs
@@ -65,6 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--token-log-every", type=int, default=5)
     p.add_argument("--lrs", default="1e-4,2.5e-4", help="learning rates every dense method runs at")
     p.add_argument("--only", choices=["dense", "moe"], default=None)
+    p.add_argument("--report-only", action="store_true", help="the report of the comparisons already run")
     p.add_argument("--figures", default="docs/figures")
     p.add_argument("--target", type=float, default=0.5, help="the accuracy of 'steps to target'")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of every run")
@@ -72,19 +74,20 @@ def main(argv=None) -> int:
     out = Path(args.out)
     start = time.perf_counter()
     done = []
-    if args.only in (None, "dense"):
-        for lr in args.lrs.split(","):
+    lrs = args.lrs.split(",")
+    for i, lr in enumerate([] if args.report_only else lrs):  # MoE right after the first learning rate
+        if args.only in (None, "dense"):
             compare("testbed_cpu", DENSE, out / f"dense_lr{lr}", args, lr)
             done.append(out / f"dense_lr{lr}")
-    t_dense = time.perf_counter() - start
-    if args.only in (None, "moe"):
-        lr = args.lrs.split(",")[0]
-        compare("testbed_moe_cpu", MOE, out / f"moe_lr{lr}", args, lr)
-        done.append(out / f"moe_lr{lr}")
+        if args.only in (None, "moe") and i == 0:
+            compare("testbed_moe_cpu", MOE, out / f"moe_lr{lr}", args, lr)
+            done.append(out / f"moe_lr{lr}")
+    if args.report_only:
+        done = sorted(d for d in out.iterdir() if (d / "summary.json").exists())
     wall = time.perf_counter() - start
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "testbed_report.py"), *map(str, done),
                     "--figures", args.figures, "--target", str(args.target), "--out", str(out / "report.md")], check=True, cwd=ROOT)
-    print(f"[bench_testbed] dense {t_dense / 60:.1f} min, all {wall / 60:.1f} min; report {out / 'report.md'}")
+    print(f"[bench_testbed] all {wall / 60:.1f} min (per comparison: summary.json wall_s); report {out / 'report.md'}")
     return 0
 
 
