@@ -131,8 +131,10 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     # Validate every combination before starting anything. A top-K divergence needs the engine's
     # top-K log-probs: such a method gets rollout.top_k_logprobs=20 unless the recipe asks for some.
+    routes = False  # the servers return routed experts when any method replays them (R3)
     for label, ov in methods.items():
         cfg = to_object(load_config(args.recipe, [*ov, *shared]))
+        routes |= cfg.algorithm.router_replay == "r3"
         if cfg.algorithm.divergence in ("topk_tv", "topk_kl") and cfg.rollout.top_k_logprobs <= 0:
             ov.append("rollout.top_k_logprobs=20")
             to_object(load_config(args.recipe, [*ov, *shared]))
@@ -160,7 +162,8 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     # The runs' seeded sampling needs the server's deterministic mode (server_extra_args).
     with EngineManager(ServerConfig(model_path=str(model), dtype=server_dtype(job), max_total_tokens=r.max_total_tokens,
-                                    extra_args=server_extra_args(job)), lanes, log_dir=out / "server_logs") as mgr:
+                                    enable_return_routed_experts=routes, extra_args=server_extra_args(job)),
+                       lanes, log_dir=out / "server_logs") as mgr:
         free = queue.Queue()
         for url in mgr.urls():
             free.put(url)
