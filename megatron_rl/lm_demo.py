@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config.schema import JobConfig
-from megatron_rl.data.synthetic import Problem, make_problems
+from megatron_rl.data.synthetic import Problem, make_problems, task_kwargs
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.learner import Learner
 from megatron_rl.vocab_parallel import vocab_parallel_topk
@@ -81,9 +81,7 @@ def run(cfg: JobConfig, ctx: ParallelContext) -> list[dict]:
     learner = Learner(cfg, ctx, run_dir=str(out_dir), total_steps=cfg.train.steps)
     tokenizer = AutoTokenizer.from_pretrained(learner.hf_path)
     t = cfg.train
-    s = cfg.data.synthetic
-    task = dict(operand_digits=s.operand_digits, num_operands=s.num_operands, modulo=s.modulo, op=s.op,
-                max_answer=s.max_answer, balance_answers=s.balance_answers)
+    task = task_kwargs(cfg.data.synthetic)
     eval_batch = encode(make_problems(t.global_batch_size * 4, seed=10_000 + t.seed, **task), tokenizer, t.chat)
     history = []
     display = _Display(ctx.rank == 0, t.steps)

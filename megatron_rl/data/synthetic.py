@@ -92,6 +92,12 @@ def make_problems(n: int, seed: int, operand_digits: int = 1, num_operands: int 
     return out
 
 
+def task_kwargs(task) -> dict:
+    """`make_problems` arguments of a SyntheticTaskConfig (data.synthetic), without n and seed."""
+    return dict(operand_digits=task.operand_digits, num_operands=task.num_operands, modulo=task.modulo,
+                op=task.op, max_answer=task.max_answer, balance_answers=task.balance_answers)
+
+
 def column_addition(a: int, b: int, digits: int) -> Problem:
     """`a+b` with the column-by-column scratchpad of op="add_steps" (see the module docstring)."""
     sa, sb = str(a).zfill(digits), str(b).zfill(digits)

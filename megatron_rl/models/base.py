@@ -37,8 +37,9 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_R
 
 def base_spec(cfg: JobConfig) -> dict:
     """Everything that determines the base's weights (the cache key's content)."""
-    task = dataclasses.asdict(cfg.data.synthetic)
-    task.pop("num_train")  # the RL prompt stream's length; the stage draws its own problems
+    from megatron_rl.data.synthetic import task_kwargs
+
+    task = task_kwargs(cfg.data.synthetic)  # not num_train / seed: the RL prompt stream's; the stage draws its own
     stage = dataclasses.asdict(cfg.model.base)
     stage.pop("cache_dir")
     return {"version": BASE_VERSION, "tiny": dataclasses.asdict(cfg.model.tiny), "task": task, "stage": stage}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from megatron_rl.config.schema import DataConfig
 from megatron_rl.data.datasets import PromptExample, load_prompts, render_prompt
-from megatron_rl.data.synthetic import as_prompt_examples, make_problems
+from megatron_rl.data.synthetic import as_prompt_examples, make_problems, task_kwargs
 
 
 @dataclass(frozen=True)
@@ -29,10 +29,7 @@ def load_examples(data: DataConfig, split: str, num_eval: int = 0) -> list[Promp
         s = data.synthetic
         n = s.num_train if split == "train" else num_eval
         seed = s.seed if split == "train" else s.seed + 1
-        return as_prompt_examples(make_problems(n, seed=seed, operand_digits=s.operand_digits,
-                                                num_operands=s.num_operands, modulo=s.modulo,
-                                                op=s.op, max_answer=s.max_answer,
-                                                balance_answers=s.balance_answers))
+        return as_prompt_examples(make_problems(n, seed=seed, **task_kwargs(s)))
     if data.source != "files":
         raise ValueError(f"data.source={data.source!r}; valid: synthetic, files")
     files = data.train_files if split == "train" else data.eval_files

@@ -57,13 +57,14 @@ def test_base_cache_key_covers_what_determines_the_weights():
     job = to_object(load_config("testbed_cpu"))
     key = base_dir(job)
     same = to_object(load_config("testbed_cpu", ["model.base.cache_dir=/elsewhere", "data.synthetic.num_train=5",
-                                                 "optim.lr=1.0", "algorithm=pg_is", "trainer.seed=7"]))
+                                                 "optim.lr=1.0", "algorithm=pg_is", "trainer.seed=7",
+                                                 "data.synthetic.seed=3"]))
     assert base_dir(same).name == key.name and str(base_dir(same)).startswith("/elsewhere")
     for change in ("model.tiny.hidden=64", "data.synthetic.operand_digits=2", "model.base.target_accuracy=0.3",
                    "model.base.sft_steps=10", "model.base.seed=1", "model.tiny.seed=1"):
         assert base_dir(to_object(load_config("testbed_cpu", [change]))).name != key.name, change
     spec = base_spec(job)
-    assert spec["task"]["op"] == "add_steps" and "num_train" not in spec["task"] and "cache_dir" not in spec["stage"]
+    assert spec["task"]["op"] == "add_steps" and not {"num_train", "seed"} & set(spec["task"]) and "cache_dir" not in spec["stage"]
 
 
 def test_testbed_recipes_share_everything_but_the_method():
