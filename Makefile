@@ -1,12 +1,13 @@
 # Two entry points, both idempotent from a fresh clone:
 #   make demo   install (once) and run the main job on the embedded default
-#   make test   install (once) and run the test suite
+#   make test   install (once) and run the test suite (what CI runs; docs/testing.md)
+#   make test-fast  the unit tier only: no server, no spawned process (the edit-run loop, < 3 min)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean gpu-prepare gpu-dry-run
+.PHONY: setup demo test test-fast bench clean gpu-prepare gpu-dry-run
 
 setup: $(STAMP)
 
@@ -30,8 +31,18 @@ $(STAMP): pyproject.toml $(LOCKS)
 demo: $(STAMP)
 	$(PY) -m megatron_rl.cli demo
 
+# Two pytest-xdist workers: most of the suite waits on one core (imports, server start-up, Python
+# overhead of tiny models), so two side by side fill the machine's two cores. Tests that share a
+# module's fixtures stay on one worker; the longest go first (tests/conftest.py). TEST_WORKERS=0
+# runs it in this process, serially.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
 
 # The GPU smoke suite (docs/gpu.md): prepare its wheels and saved rollouts here, dry-run it on CPU;
 # on the GPU machine: tests/gpu/suite.sh run. `make test` never collects tests/gpu (pyproject addopts).

@@ -1,8 +1,102 @@
-"""Suite-wide: every process a test starts (spawned ranks, trainer subprocesses, torchrun and Slurm
-ranks) runs under the device check (patches/device_check.py): on this CPU-only machine it fails
-any code that would put a host tensor into an NCCL collective or mix host and device tensors on
-a GPU node. It installs only where CUDA is absent."""
+"""Suite-wide set-up.
 
+Device check: every process a test starts (spawned ranks, trainer subprocesses, torchrun and Slurm
+ranks) runs under patches/device_check.py: on this CPU-only machine it fails any code that would
+put a host tensor into an NCCL collective or mix host and device tensors on a GPU node. It
+installs only where CUDA is absent.
+
+Tiers (docs/testing.md): a test is in the unit tier unless it is marked `slow`. The unit tier
+(`make test-fast`, `pytest -m "not slow"`) starts no process: no server, no spawned rank, no
+subprocess. That is enforced here, in every run: a test without the `slow` mark (its fixtures'
+set-up included) that starts a process fails with the reason, so the edit-run loop stays fast and
+a new test lands in the tier it belongs to.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.process
 import os
+import subprocess
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("MRL_DEVICE_CHECK", "1")
+
+
+class ProcessInUnitTier(AssertionError):
+    """A test of the unit tier (not marked `slow`) started a process."""
+
+
+def _refuse(nodeid: str):
+    def refuse(*args, **kwargs):
+        raise ProcessInUnitTier(
+            f"{nodeid} starts a process, which the unit tier does not allow (`make test-fast` must stay "
+            "under 3 minutes): mark the test `@pytest.mark.slow` (docs/testing.md, 'Adding a test')")
+    return refuse
+
+
+_TARGETS = ((subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start"), (os, "fork"),
+            (os, "posix_spawn"), (os, "posix_spawnp"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
+
+
+def _guarded(item):
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    saved = [(owner, name, getattr(owner, name)) for owner, name in _TARGETS if hasattr(owner, name)]
+    refuse = _refuse(item.nodeid)
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        return (yield)
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+# Running side by side (`make test` runs pytest-xdist's `-n 2 --dist loadgroup`): a test that uses a
+# module- or class-scoped fixture (a server, a set of spawned runs) runs on the same worker as the
+# rest of its module, so that the fixture is built once; every other test is scheduled on its own.
+# Work goes out longest first (tests/durations.json, the seconds each test took in a measured run;
+# a test not in it counts as UNKNOWN_S), which keeps the two workers' finishing times close.
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+UNKNOWN_S = 30.0
+
+
+def _shared_scope(item) -> str | None:
+    """The module (or class) whose fixtures this test shares, or None."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    for defs in info.name2fixturedefs.values():
+        if defs and defs[-1].scope in ("module", "class", "package"):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    units: dict[str, list] = {}
+    for item in items:
+        explicit = next((m.args[0] if m.args else m.kwargs.get("name") for m in item.iter_markers("xdist_group")),
+                        None)
+        group = explicit or _shared_scope(item)
+        if group is not None and explicit is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        units.setdefault(group or item.nodeid, []).append(item)
+    cost = {key: sum(seconds.get(i.nodeid, UNKNOWN_S) for i in unit) for key, unit in units.items()}
+    # Longest first; ties keep collection order (sorted is stable). Only the order of the units
+    # changes: within a module the tests keep their order.
+    items[:] = [i for key in sorted(units, key=lambda k: -cost[k]) for i in units[key]]

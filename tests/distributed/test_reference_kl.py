@@ -64,6 +64,7 @@ def results(tmp_path_factory):
     return ckpt, {tp: run_distributed(worker, tp, str(ckpt), tp)[0] for tp in (1, 2)}
 
 
+@pytest.mark.slow
 def test_reference_is_the_frozen_initial_policy(results):
     from transformers import AutoModelForCausalLM
 
@@ -78,6 +79,7 @@ def test_reference_is_the_frozen_initial_policy(results):
         assert torch.equal(r["ref_after"], r["ref_initial"])  # policy training leaves it alone
 
 
+@pytest.mark.slow
 def test_logged_kl_is_the_k3_estimator_and_layout_invariant(results):
     _, out = results
     mask = make_batch()["loss_mask"].bool()

@@ -111,6 +111,7 @@ def _check(out, ref, label):
     assert worst <= TOL, f"{label}: weights after the step differ from the reference by {worst}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}, {}], ids=["tp2", "pp2", "dp2"])
 def test_token_budget_step_equals_the_padded_global_step(dense, parallel):
     path, ref = dense
@@ -124,6 +125,7 @@ def test_token_budget_step_equals_the_padded_global_step(dense, parallel):
         assert max(t) - min(t) <= 30, t
 
 
+@pytest.mark.slow
 def test_token_budget_step_with_r3_replay_at_ep2(moe):
     path, ref = moe
     out = run_distributed(worker, 2, str(path), {"ep": 2}, True, 48)[0]
@@ -144,6 +146,7 @@ def exchange_worker(rank, world_size):
     return dict(batch=new, stats=stats, copy=copy, whole=whole)
 
 
+@pytest.mark.slow
 def test_rebalance_moves_each_sequence_once_and_evens_every_mini_batch():
     a, b = run_distributed(exchange_worker, 2)
     whole = a["whole"]

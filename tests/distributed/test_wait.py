@@ -94,6 +94,7 @@ def _outlasts_group_timeout(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_wait_outlasts_the_group_timeout_where_a_barrier_fails():
     leader, waiter = run_distributed(_outlasts_group_timeout, 2, timeout=120)
     # The controls: under the same 3 s timeout and the same leader delay, a barrier and a
@@ -131,6 +132,7 @@ def _never_posts(rank, world_size):
         return {"error": str(e), "after": time.monotonic() - t0, "logs": logs}
 
 
+@pytest.mark.slow
 def test_wait_times_out_naming_the_key_and_last_progress():
     _, waiter = run_distributed(_never_posts, 2, timeout=120)
     err = waiter["error"]
@@ -171,6 +173,7 @@ def _leader_fails(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_leader_error_reaches_the_waiter_promptly():
     _, waiter = run_distributed(_leader_fails, 2, timeout=120)
     assert "rollouts/step3/mp0" in waiter["error"], waiter["error"]

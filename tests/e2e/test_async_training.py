@@ -65,20 +65,15 @@ MU_PAUSE_AT = (12, 4, 24)  # per try: pause once a probe batched with the sample
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
-def mu_server(request, tmp_path_factory):
+def mu_server(request, tmp_path_factory, shared_server):
     """(moe, v0 path, v1 path, url): one SGLang server on v0, announced as weight version "0"."""
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
-
     moe = request.param == "moe"
     root = tmp_path_factory.mktemp(f"mu_{request.param}")
     tiny = dict(MU_MOE if moe else {}, init_std=0.2)  # a larger std: peaked, varied distributions
     v0 = make_tiny_checkpoint(root / "v0", seed=0, **tiny)
     v1 = make_tiny_checkpoint(root / "v1", seed=1, **tiny)
     # Deterministic inference makes `sampling_seed` count (a retried try is reproducible).
-    cfg = ServerConfig(model_path=str(v0), max_total_tokens=4096, enable_return_routed_experts=moe,
-                       extra_args=("--weight-version", "0", "--enable-deterministic-inference"))
-    with EngineManager(cfg, 1, log_dir=root / "logs") as mgr:
-        yield moe, v0, v1, mgr.urls()[0]
+    return moe, v0, v1, shared_server(v0, routed=moe, weight_version="0").urls()[0]
 
 
 async def _progress_probe(session, url, tokens):

@@ -122,6 +122,7 @@ def _sane(res: dict, design: str):
     assert sum(s["responses"] for s in res["server"]) == 128
 
 
+@pytest.mark.slow
 def test_funnel_figures(funnel):
     bench = _bench()
     res = funnel
@@ -143,6 +144,7 @@ def test_funnel_figures(funnel):
     assert res["max_rank_recv_over_share"] > s.dp  # every rank receives more than the whole batch
 
 
+@pytest.mark.slow
 def test_sharded_figures(sharded):
     bench = _bench()
     res = sharded
@@ -163,6 +165,7 @@ def test_sharded_figures(sharded):
     assert sum(r["real_tokens"] for r in ranks) == int((P[:, None] + T).sum())
 
 
+@pytest.mark.slow
 def test_sharded_beats_funnel(funnel, sharded):
     for k in KEYS:
         assert sharded[k] < funnel[k], (k, sharded[k], funnel[k])

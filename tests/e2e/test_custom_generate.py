@@ -301,30 +301,22 @@ def test_moe_episode_routes_replay_to_mu(moe_server):
 
 
 @pytest.fixture(scope="module")
-def moe_server(tmp_path_factory):
+def moe_server(tmp_path_factory, shared_server):
     from megatron_rl.models.tiny import make_tiny_checkpoint
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
 
     root = tmp_path_factory.mktemp("custom_generate_moe")
     ckpt = make_tiny_checkpoint(root / "model", moe=True, init_std=0.2)
-    config = ServerConfig(model_path=str(ckpt), max_total_tokens=2048, enable_return_routed_experts=True,
-                          extra_args=("--enable-deterministic-inference",))
-    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
-        yield ckpt, mgr.urls()[0]
+    return ckpt, shared_server(ckpt, routed=True).urls()[0]  # deterministic inference
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, shared_server):
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.models.tiny import make_tiny_checkpoint
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
 
     root = tmp_path_factory.mktemp("custom_generate")
     tiny = vars(to_object(load_config("calculator_tool_cpu")).model.tiny)
     # The recipe's architecture (the CLI run pushes its own weights), with a wider init than its
     # 0.02: peaked distributions, so that a misaligned row could not match by accident.
     ckpt = make_tiny_checkpoint(root / "model", **{**tiny, "init_std": 0.2})
-    config = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
-                          extra_args=("--enable-deterministic-inference",))
-    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
-        yield ckpt, mgr.urls()[0]
+    return ckpt, shared_server(ckpt).urls()[0]  # deterministic inference

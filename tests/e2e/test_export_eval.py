@@ -252,19 +252,17 @@ def test_eval_of_a_run_matches_transformers_greedy(evaluated_run):
     assert report["metrics"] == pytest.approx(want, abs=1e-6)
 
 
-def test_eval_on_running_servers_loads_the_model(evaluated_run, tmp_path):
-    """`rollout.server_urls`: a server started on the initial weights is told to load the export
-    (a HF folder, with a recipe as its config)."""
+def test_eval_on_running_servers_loads_the_model(evaluated_run, tmp_path, shared_server):
+    """`rollout.server_urls`: a server serving the initial weights (the session's shared server of
+    this architecture, tests/e2e/conftest.py) is told to load the export (a HF folder, with a recipe
+    as its config)."""
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
 
     run, tmp, _, _ = evaluated_run
     hf = run / "export" / "step_00000002"
-    server = ServerConfig(model_path=str(run / "tiny_model"), device="cpu", dtype="float32", max_total_tokens=4096,
-                          extra_args=("--enable-deterministic-inference",))
-    with EngineManager(server, 1, log_dir=tmp_path / "logs") as manager:
-        overrides = [*EVAL, f"rollout.server_urls=[{manager.urls()[0]}]"]
-        cli("eval", str(hf), "--recipe", "tiny_cpu", *overrides, "--out", str(tmp_path / "eval.json"), path=str(tmp))
+    manager = shared_server(run / "tiny_model")  # float32, deterministic inference
+    overrides = [*EVAL, f"rollout.server_urls=[{manager.urls()[0]}]"]
+    cli("eval", str(hf), "--recipe", "tiny_cpu", *overrides, "--out", str(tmp_path / "eval.json"), path=str(tmp))
     report = json.loads((tmp_path / "eval.json").read_text())
     assert report["model"] == str(hf) and report["step"] == 0
     assert report["metrics"] == pytest.approx(greedy_reference(hf, to_object(load_config("tiny_cpu", overrides)), tmp),

@@ -38,6 +38,7 @@ def _load(name: str):
         sys.path.remove(str(SUITE))
 
 
+@pytest.mark.slow
 def test_wheel_list_is_complete_and_pinned():
     out = subprocess.run([sys.executable, str(SUITE / "prepare.py"), "wheels", "--check-only"],
                          capture_output=True, text=True, timeout=120)

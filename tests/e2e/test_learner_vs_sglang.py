@@ -121,25 +121,18 @@ def test_moe_routes_and_replay_equal_learner(moe_server):
         assert gap <= 1e-5, gap
 
 
-def _server(tmp_path_factory, name, **tiny):
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
-
-    root = tmp_path_factory.mktemp(name)
-    ckpt = make_tiny_checkpoint(root / "model", **tiny)
-    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=2048,
-                       enable_return_routed_experts=bool(tiny.get("moe")))
-    return ckpt, EngineManager(cfg, 1, log_dir=root / "logs")
+def _server(tmp_path_factory, shared_server, name, **tiny):
+    """The session's shared server of this architecture in SGLang's default (not deterministic)
+    mode, serving a fresh checkpoint (tests/e2e/conftest.py)."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp(name) / "model", **tiny)
+    return ckpt, shared_server(ckpt, routed=bool(tiny.get("moe")), deterministic=False).urls()[0]
 
 
 @pytest.fixture(scope="module")
-def dense_server(tmp_path_factory):
-    ckpt, mgr = _server(tmp_path_factory, "dense", init_std=0.2)
-    with mgr:
-        yield ckpt, mgr.urls()[0]
+def dense_server(tmp_path_factory, shared_server):
+    return _server(tmp_path_factory, shared_server, "dense", init_std=0.2)
 
 
 @pytest.fixture(scope="module")
-def moe_server(tmp_path_factory):
-    ckpt, mgr = _server(tmp_path_factory, "moe", moe=True, init_std=0.2)
-    with mgr:
-        yield ckpt, mgr.urls()[0]
+def moe_server(tmp_path_factory, shared_server):
+    return _server(tmp_path_factory, shared_server, "moe", moe=True, init_std=0.2)

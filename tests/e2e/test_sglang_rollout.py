@@ -8,7 +8,8 @@
     duplicates, the retries are recorded, and the manager restarts the dead server.
 Every generate call also checks `on_record`: called once per (prompt, sample) with the very
 records the call returns. Record parsing and malformed responses: tests/unit/test_records.py.
-Servers start once per module (two fixtures: one dense server, two MoE servers).
+The dense server is the session's shared one of its architecture (tests/e2e/conftest.py); the two
+MoE servers are this module's own (one is killed).
 """
 
 from __future__ import annotations
@@ -38,15 +39,12 @@ def _hf_model(path):
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory):
+def dense(tmp_path_factory, shared_server):
     d = tmp_path_factory.mktemp("sglang_dense")
     # A larger init std gives peaked, varied next-token distributions (not near-uniform).
     ckpt = make_tiny_checkpoint(d / "ckpt", init_std=0.3, seed=1)
     # Deterministic mode (seeded sampling, fixed-tile GEMMs on CPU) must still equal HF.
-    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
-                       extra_args=("--enable-deterministic-inference",))
-    with EngineManager(cfg, 1, log_dir=d / "logs") as mgr:
-        yield ckpt, mgr
+    return ckpt, shared_server(ckpt, deterministic=True)
 
 
 @pytest.fixture(scope="module")

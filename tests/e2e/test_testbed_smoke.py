@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -23,6 +24,7 @@ SMALL = ["model.base.sft_steps=30", "model.base.target_accuracy=1.0", "rollout.p
          "rollout.n_samples=4", "eval.num_prompts=8", "eval.k=2", "eval.every=0", "learner.micro_batch_size=8"]
 
 
+@pytest.mark.slow
 def test_testbed_compare_smoke(tmp_path):
     cache = tmp_path / "bases"
     out = tmp_path / "compare"

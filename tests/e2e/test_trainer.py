@@ -1,7 +1,8 @@
 """The RL trainer end to end: real Megatron-Core learner, real SGLang server on CPU.
 
 One SGLang server serves every run in this module (runs pass `rollout.server_urls`; each run
-starts by pushing its learner's weights, so the server always serves the run's own policy).
+starts by pushing its learner's weights, so the server always serves the run's own policy); it is
+the session's shared server of this architecture (tests/e2e/conftest.py).
 - a shorter version of the embedded default learns (train accuracy rises well above chance);
 - exact resume: 6 steps straight == 3 steps, kill -9, resume, 3 more (samples and rewards bit-identical,
   other metrics to SGLang's fp32 noise);
@@ -32,18 +33,14 @@ VOLATILE = ("time/", "rollout/retries")
 
 
 @pytest.fixture(scope="module")
-def server_url(tmp_path_factory):
+def server_url(tmp_path_factory, shared_server):
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.models.tiny import make_tiny_checkpoint
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
 
     root = tmp_path_factory.mktemp("trainer")
     tiny = to_object(load_config("tiny_cpu")).model.tiny
     ckpt = make_tiny_checkpoint(root / "model", **vars(tiny))
-    config = ServerConfig(model_path=str(ckpt), max_total_tokens=8192,
-                          extra_args=("--enable-deterministic-inference",))
-    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
-        yield mgr.urls()[0]
+    return shared_server(ckpt).urls()[0]  # deterministic inference
 
 
 def cli(out_dir: Path, url: str, *overrides: str, small: bool = True, recipe: str = "tiny_cpu") -> list[str]:
@@ -204,19 +201,15 @@ def test_rollout_only_then_train_only(server_url, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_server_url(tmp_path_factory):
+def moe_server_url(tmp_path_factory, shared_server):
     """An SGLang server for tiny_moe_cpu_r3's model, returning routed experts."""
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.models.tiny import make_tiny_checkpoint
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
 
     root = tmp_path_factory.mktemp("trainer_moe")
     tiny = to_object(load_config("tiny_moe_cpu_r3")).model.tiny
     ckpt = make_tiny_checkpoint(root / "model", **vars(tiny))
-    config = ServerConfig(model_path=str(ckpt), max_total_tokens=8192, enable_return_routed_experts=True,
-                          extra_args=("--enable-deterministic-inference",))
-    with EngineManager(config, 1, log_dir=root / "logs") as mgr:
-        yield mgr.urls()[0]
+    return shared_server(ckpt, routed=True).urls()[0]  # deterministic inference
 
 
 @pytest.mark.parametrize("replay", ["r3", "r2"])

@@ -70,14 +70,10 @@ def sync_worker(rank, world_size, hf_path, url, group_port):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from megatron_rl.rollout.server import EngineManager, ServerConfig
-
-    root = tmp_path_factory.mktemp("sync")
-    ckpt = make_tiny_checkpoint(root / "model")
-    with EngineManager(ServerConfig(model_path=str(ckpt), max_total_tokens=2048), 1,
-                       log_dir=root / "logs") as mgr:
-        yield ckpt, mgr.urls()[0]
+def server(tmp_path_factory, shared_server):
+    """The session's shared server of this architecture in SGLang's default mode (tests/e2e/conftest.py)."""
+    ckpt = make_tiny_checkpoint(tmp_path_factory.mktemp("sync") / "model")
+    return ckpt, shared_server(ckpt, deterministic=False).urls()[0]
 
 
 @pytest.mark.slow

@@ -262,6 +262,7 @@ def _dp_worker(rank, world_size, batch, shards, micro_splits):
     return out
 
 
+@pytest.mark.slow
 def test_loss_gradient_and_diagnostics_invariant_to_dp_and_micro_batch_layout():
     batch = adapter_batch(2, B=7)
     shards = [(0, 3), (3, 7)]

@@ -68,6 +68,7 @@ def test_layer_spec_is_chosen_never_guessed():
         resolve_spec("tee")
 
 
+@pytest.mark.slow
 def test_patches_apply_to_installed_versions():
     """In a fresh interpreter: every patch applies and its targets behave as patched."""
     code = textwrap.dedent(
@@ -190,6 +191,7 @@ def test_launch_env_torchrun():
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (3, 8, 1, "n0", 1234)
 
 
+@pytest.mark.slow
 def test_launch_env_slurm(monkeypatch):
     # No scontrol on the PATH: the node list is parsed directly.
     monkeypatch.setenv("PATH", "/nonexistent")

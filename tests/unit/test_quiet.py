@@ -22,6 +22,7 @@ def run(env_extra: dict[str, str]) -> str:
     return out.stderr
 
 
+@pytest.mark.slow
 def test_known_notices_collapse_into_one_line_and_others_still_show():
     err = run({})
     assert "not installed" not in err, err
@@ -29,6 +30,7 @@ def test_known_notices_collapse_into_one_line_and_others_still_show():
     assert "a warning of our own" in err  # unknown warnings are untouched
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{"MRL_VERBOSE": "1"}, {"RANK": "1"}])
 def test_verbose_shows_everything_and_other_ranks_print_nothing(env):
     err = run(env)

@@ -524,6 +524,7 @@ def test_request_timeout_derived_from_max_new_tokens(monkeypatch):
     assert out[0][1].sample_index == 1
 
 
+@pytest.mark.slow
 def test_producer_returns_large_transient_buffers_to_the_system():
     """After glibc's first large free, parsed bodies would stay resident (its dynamic mmap
     threshold); `return_large_frees` (called by every producer) hands them back."""

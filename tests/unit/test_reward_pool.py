@@ -100,6 +100,7 @@ def pool():
     _REGISTRY.pop("test_pool", None)
 
 
+@pytest.mark.slow
 def test_scores_equal_serial_math_reward(pool):
     serial = [get_reward("math")(t, a) for t, a in MATH]
     assert 0.0 in serial and 1.0 in serial  # both outcomes exercised
@@ -111,6 +112,7 @@ def test_scores_equal_serial_math_reward(pool):
     assert got.metrics()["reward/timeouts"] == 0.0 and got.metrics()["time/reward_wait"] >= 0.0
 
 
+@pytest.mark.slow
 def test_hung_calls_are_killed_and_the_pool_goes_on(pool):
     pool.submit("pid", "PID", "")
     before = {collect(pool, ["pid"]).scores["pid"]}
@@ -139,6 +141,7 @@ def test_hung_calls_are_killed_and_the_pool_goes_on(pool):
     assert collect(pool, ["after"]).scores == {"after": 1.0}
 
 
+@pytest.mark.slow
 def test_reward_exception_names_the_key(pool):
     pool.submit(("prompt", 3, "sample", 1), "RAISE", "")
     pool.submit(("prompt", 3, "sample", 2), "NAN", "")
@@ -154,6 +157,7 @@ def test_reward_exception_names_the_key(pool):
     assert collect(pool, [("prompt", 3, "sample", 1)]).scores == {("prompt", 3, "sample", 1): 0.0}
 
 
+@pytest.mark.slow
 def test_scoring_overlaps_the_callers_work(pool):
     """Submitted from an asyncio callback as 'responses' arrive; by the time generation ends the
     scores are in, so collect hardly waits."""
@@ -178,6 +182,7 @@ def test_scoring_overlaps_the_callers_work(pool):
     assert got.wait_s < 0.4, got.wait_s  # scored after generation: >= 0.8 s
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused(pool):
     with pytest.raises(ValueError, match="unknown reward .nope.; valid: .*math"):
         RewardPool("nope", workers=1, timeout=1.0)
@@ -195,6 +200,7 @@ def test_bad_input_is_refused(pool):
         collect(pool, ["dup"])
 
 
+@pytest.mark.slow
 def test_reward_the_workers_cannot_find_stops_the_pool_clearly():
     # Registered after import: the workers import this module and do not find it.
     register_reward("test_pool_late")(lambda text, answer: 1.0)
@@ -207,6 +213,7 @@ def test_reward_the_workers_cannot_find_stops_the_pool_clearly():
         _REGISTRY.pop("test_pool_late", None)
 
 
+@pytest.mark.slow
 def test_close_kills_a_worker_stuck_in_a_call():
     p = RewardPool("test_pool", workers=1, timeout=60.0)
     p.submit("pid", "PID", "")
@@ -226,6 +233,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_worker_stuck_in_a_call_dies_with_a_killed_trainer():
     here = os.path.dirname(os.path.abspath(__file__))
@@ -252,6 +260,7 @@ def test_worker_stuck_in_a_call_dies_with_a_killed_trainer():
         trainer.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_trainer_that_leaves_on_an_error_without_close_exits():
     """multiprocessing SIGTERMs and joins daemonic children at exit; the workers ignore SIGTERM, so
     an unclosed pool (a trainer leaving on RewardError) must be closed before that or exit hangs."""
@@ -264,6 +273,7 @@ def test_a_trainer_that_leaves_on_an_error_without_close_exits():
     assert out.returncode == 1 and "left without close()" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_workers_survive_the_signals_a_launcher_sends_the_whole_job(pool):
     """Slurm signals every process of a step (USR1 before the time limit, TERM on preemption) and
     a terminal sends INT to the foreground group: the trainer finishes its step on them, so the
@@ -398,6 +408,7 @@ def _occupy_both_workers(pool, tag):
     return [(tag, "sleep", w) for w in range(2)]
 
 
+@pytest.mark.slow
 def test_user_functions_score_as_called_directly(user):
     mod, pools = user
     texts, answers = [t for t, _ in PAIRS], [a for _, a in PAIRS]
@@ -414,6 +425,7 @@ def test_user_functions_score_as_called_directly(user):
         assert got.timed_out == [] and got.errors == [] and got.metrics()["reward/errors"] == 0.0
 
 
+@pytest.mark.slow
 def test_batches_form_while_workers_are_busy_up_to_the_cap(user):
     _, pools = user
     pool = pools["batch"]
@@ -425,6 +437,7 @@ def test_batches_form_while_workers_are_busy_up_to_the_cap(user):
     assert max(sizes) == 4 and min(sizes) >= 1, sizes  # batched, at most max_batch_size = 4
 
 
+@pytest.mark.slow
 def test_async_per_sample_calls_run_concurrently(user):
     _, pools = user
     pool = pools["async"]
@@ -435,6 +448,7 @@ def test_async_per_sample_calls_run_concurrently(user):
     assert elapsed < 2.5, elapsed  # one at a time on 2 workers: >= 3 s
 
 
+@pytest.mark.slow
 def test_on_error_fail_names_each_failing_sample(user):
     _, pools = user
     pool = pools["sync"]
@@ -461,6 +475,7 @@ def test_on_error_fail_names_each_failing_sample(user):
     assert collect(pool, ["raise"]).scores == {"raise": 1.0}
 
 
+@pytest.mark.slow
 def test_batched_errors_name_the_sample_or_the_function(user):
     """A batched call that raises is retried one sample per call, so the error names the sample
     that raised, not its batch-mates; a result of the wrong length names the function."""
@@ -479,6 +494,7 @@ def test_batched_errors_name_the_sample_or_the_function(user):
         collect(pool, ["short"])
 
 
+@pytest.mark.slow
 def test_on_error_zero_scores_zero_counts_and_logs(user, caplog):
     mod, pools = user
     pool = pools["async"]
@@ -496,6 +512,7 @@ def test_on_error_zero_scores_zero_counts_and_logs(user, caplog):
     assert "key 'raise'\n  response: 'RAISE'\n  answer: 'x^2'" in logged and "KeyError: 'no verifier for x^2'" in logged
 
 
+@pytest.mark.slow
 def test_a_timeout_in_a_batch_costs_only_its_sample(user):
     """A batch holding a hanging sample is killed at the timeout and its samples scored again one
     per call: the hang times out (0.0, reward/timeouts), a sample that raises is an error

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.rollout.server import (
     SGLangServer, ServerConfig, is_launcher_variable, server_environment,
 )
@@ -30,6 +32,7 @@ def torchrun_worker_env(tmp_path: Path, parent: dict[str, str]) -> dict[str, str
     return json.loads((tmp_path / "env1").read_text())
 
 
+@pytest.mark.slow
 def test_torchrun_worker_variables_do_not_reach_a_server(tmp_path):
     parent = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     parent.pop("OMP_NUM_THREADS", None)  # torchrun sets it for 2 processes only if unset

@@ -35,6 +35,7 @@ def test_refuses_unexpected_torchvision():
     assert "torchvision" in msg and "0.28.0" in msg and "0.99.0" in msg
 
 
+@pytest.mark.slow
 def test_torchvision_stays_out_of_site_packages():
     """The learner's interpreter must not see PyPI's CUDA torchvision (it breaks transformers)."""
     code = "import importlib.util; print(importlib.util.find_spec('torchvision'))"
@@ -43,6 +44,7 @@ def test_torchvision_stays_out_of_site_packages():
     assert (Path(sys.prefix) / "sglang-cpu-extras" / "torchvision").is_dir()
 
 
+@pytest.mark.slow
 def test_applies_to_installed_sglang():
     """In a fresh interpreter: every piece applies and behaves as documented."""
     code = textwrap.dedent(
@@ -181,6 +183,7 @@ def test_fixed_tile_matmul_is_batch_invariant_and_exact():
         torch.testing.assert_close(out.double(), 0.5 * bias.double() + 2 * ref, rtol=0, atol=2e-4)
 
 
+@pytest.mark.slow
 def test_batch_invariant_mode_routes_linear_and_matmul():
     """Once enabled (what the scheduler does under --enable-deterministic-inference on CPU),
     F.linear with and without bias and 3-D matmul go through the fixed tiles."""

@@ -244,6 +244,7 @@ def run_cli(*args):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_config_typo_is_one_actionable_line():
     out = run_cli("dry-run", "tiny_cpu", "rollout.n_sample=4")
     assert out.returncode == 2
@@ -252,6 +253,7 @@ def test_config_typo_is_one_actionable_line():
     assert "rollout.n_sample" in err[0] and "did you mean 'n_samples'" in err[0] and "valid keys of rollout" in err[0]
 
 
+@pytest.mark.slow
 def test_malformed_data_row_is_one_actionable_line(tmp_path):
     bad = tmp_path / "train.jsonl"
     bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"ground_truth": "2"}}) + "\n"
@@ -263,6 +265,7 @@ def test_malformed_data_row_is_one_actionable_line(tmp_path):
     assert f"{bad}: row 2" in err[0] and "reward_model.ground_truth" in err[0]
 
 
+@pytest.mark.slow
 def test_missing_dataset_and_unknown_recipe_fail_fast(tmp_path):
     out = run_cli("dry-run", "tiny_cpu", "data.source=files", f"data.train_files=[{tmp_path}/nope.parquet]")
     assert out.returncode == 2 and "nope.parquet does not exist" in out.stderr
