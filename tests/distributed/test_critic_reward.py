@@ -143,16 +143,23 @@ def checkpoints(tmp_path_factory):
     return str(policy), str(rm)
 
 
+def layouts_worker(rank, world_size, policy_path, rm_path, layouts):
+    """`worker` for every layout of `layouts` ({name: (parallel, learn_batches)}) in turn."""
+    return {name: worker(rank, world_size, policy_path, rm_path, parallel, learn)
+            for name, (parallel, learn) in layouts.items()}
+
+
 @pytest.fixture(scope="module")
 def layout(checkpoints):
-    """layout(name) -> rank 0's results on that layout (each layout is spawned once)."""
+    """layout(name) -> rank 0's results on that layout. The layouts of one world size run one after
+    the other in one spawned process group (Megatron's parallel state rebuilt for each)."""
     cache = {}
 
     def run(name):
         if name not in cache:
-            world, parallel = LAYOUTS[name]
-            learn = LEARN_BATCHES if name == "tp1" else 0
-            cache[name] = run_distributed(worker, world, *checkpoints, parallel, learn)[0]
+            world = LAYOUTS[name][0]
+            mine = {n: (p, LEARN_BATCHES if n == "tp1" else 0) for n, (w, p) in LAYOUTS.items() if w == world}
+            cache.update(run_distributed(layouts_worker, world, *checkpoints, mine)[0])
         return cache[name]
 
     return run

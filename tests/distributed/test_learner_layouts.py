@@ -1,9 +1,11 @@
 """The Megatron learner against HF transformers, at every parallel layout, over real gloo processes.
 
 Independent reference: the HF transformers model on the same batch (fp32) for logits, loss and
-grad norm, and a plain torch Adam step after `clip_grad_norm_` for the updated weights. Each
-layout runs in its own spawned process group: TP2 (sequence parallel), PP2, PP2xVPP2, DP2 for
-dense Qwen3; EP2 and TP2xEP2 (sequence parallel) for Qwen3-MoE; plus activation recompute.
+grad norm, and a plain torch Adam step after `clip_grad_norm_` for the updated weights. Layouts:
+TP2 (sequence parallel), PP2, PP2xVPP2, DP2 (also with the distributed optimizer) for dense Qwen3;
+EP2 and TP2xEP2 (sequence parallel) for Qwen3-MoE; plus activation recompute. The layouts of one
+world size run one after the other in one spawned process group (Megatron's parallel state rebuilt
+for each, as a fresh process would build it): four process groups for the module, not fourteen.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=labels, loss_mask=loss_mask)
 
 
-def layout_worker(rank, world_size, hf_path, parallel, recompute, dist_opt=False, save_to=None):
+def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_opt=False, save_to=None):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -112,10 +114,30 @@ def hf_reference(hf_path, scratch):
                 original=original, after=after)
 
 
-def _run_layout(hf_path, world_size, parallel, recompute="none", dist_opt=False, save_to=None):
-    results = run_distributed(layout_worker, world_size, str(hf_path), parallel, recompute,
-                              dist_opt, None if save_to is None else str(save_to))
-    return next(r for r in results if r is not None and r["logits"] is not None)
+def layouts_worker(rank, world_size, hf_path, runs):
+    """Every run of `runs` ({name: layout_worker's arguments}) in turn, in this process group."""
+    out = {}
+    for name, kwargs in runs.items():
+        out[name] = layout_worker(rank, world_size, hf_path, **kwargs)
+    return out
+
+
+def _run_layouts(hf_path, runs):
+    """{name: (world_size, layout_worker kwargs)} -> {name: the reporting rank's result}; one
+    spawned process group per world size."""
+    out = {}
+    for world in sorted({w for w, _ in runs.values()}):
+        mine = {name: kwargs for name, (w, kwargs) in runs.items() if w == world}
+        ranks = run_distributed(layouts_worker, world, str(hf_path), mine)
+        for name in mine:
+            out[name] = next(r[name] for r in ranks if r[name] is not None and r[name]["logits"] is not None)
+    return out
+
+
+DENSE_LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, {"tp": 2}), "pp2": (2, {"pp": 2}), "pp2_vpp2": (2, {"pp": 2, "vpp": 2}),
+                 "dp2": (2, {})}
+MOE_LAYOUTS = {"moe_tp1": (1, {}), "moe_tp2_sp": (2, {"tp": 2}), "moe_pp2": (2, {"pp": 2}), "ep2": (2, {"ep": 2}),
+               "tp2_ep2_sp": (2, {"tp": 2, "ep": 2})}
 
 
 def _check_against_hf(out, ref, label):
@@ -136,69 +158,61 @@ def _check_against_hf(out, ref, label):
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
+    """(checkpoint, HF reference, {run: result}): the dense layouts, the distributed optimizer at
+    DP2 and full activation recompute at PP2."""
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), num_layers=4)
-    return path, hf_reference(path, tmp_path_factory.mktemp("dense_after"))
+    runs = {name: (w, dict(parallel=p)) for name, (w, p) in DENSE_LAYOUTS.items()}
+    runs["dp2_dist_opt"] = (2, dict(parallel={}, dist_opt=True))
+    runs["pp2_recompute"] = (2, dict(parallel={"pp": 2}, recompute="full"))
+    return path, hf_reference(path, tmp_path_factory.mktemp("dense_after")), _run_layouts(path, runs)
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
+    """(checkpoint, HF reference, {run: result}, HF folder saved by the TP2 x EP2 run)."""
     # norm_topk_prob=False exercises the routing fix (Megatron pre-softmax routing).
     path = make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True, norm_topk_prob=False)
-    return path, hf_reference(path, tmp_path_factory.mktemp("moe_after"))
+    saved = tmp_path_factory.mktemp("moe_saved") / "exported"
+    runs = {name: (w, dict(parallel=p)) for name, (w, p) in MOE_LAYOUTS.items()}
+    runs["tp2_ep2_sp"][1]["save_to"] = str(saved)  # saved before its training step
+    return path, hf_reference(path, tmp_path_factory.mktemp("moe_after")), _run_layouts(path, runs), saved
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "world_size,parallel",
-    [
-        (1, {}),
-        (2, {"tp": 2}),
-        (2, {"pp": 2}),
-        (2, {"pp": 2, "vpp": 2}),
-        (2, {}),  # DP2
-    ],
-    ids=["tp1", "tp2_sp", "pp2", "pp2_vpp2", "dp2"],
-)
-def test_dense_layouts_match_hf(dense, world_size, parallel):
-    path, ref = dense
-    _check_against_hf(_run_layout(path, world_size, parallel), ref, str(parallel))
+@pytest.mark.parametrize("name", list(DENSE_LAYOUTS))
+def test_dense_layouts_match_hf(dense, name):
+    _, ref, out = dense
+    _check_against_hf(out[name], ref, f"{name} {DENSE_LAYOUTS[name][1]}")
 
 
 @pytest.mark.slow
 def test_distributed_optimizer_matches_hf(dense):
-    path, ref = dense
-    _check_against_hf(_run_layout(path, 2, {}, dist_opt=True), ref, "dp2 distributed optimizer")
+    _, ref, out = dense
+    _check_against_hf(out["dp2_dist_opt"], ref, "dp2 distributed optimizer")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "world_size,parallel",
-    [(1, {}), (2, {"tp": 2}), (2, {"pp": 2}), (2, {"ep": 2}), (2, {"tp": 2, "ep": 2})],
-    ids=["moe_tp1", "moe_tp2_sp", "moe_pp2", "ep2", "tp2_ep2_sp"],
-)
-def test_moe_layouts_match_hf(moe, world_size, parallel):
-    path, ref = moe
-    _check_against_hf(_run_layout(path, world_size, parallel), ref, str(parallel))
+@pytest.mark.parametrize("name", list(MOE_LAYOUTS))
+def test_moe_layouts_match_hf(moe, name):
+    _, ref, out, _ = moe
+    _check_against_hf(out[name], ref, f"{name} {MOE_LAYOUTS[name][1]}")
 
 
 @pytest.mark.slow
 def test_activation_recompute_gives_identical_step(dense):
-    path, _ = dense
-    plain = _run_layout(path, 2, {"pp": 2}, recompute="none")
-    recomputed = _run_layout(path, 2, {"pp": 2}, recompute="full")
+    _, _, out = dense
+    plain, recomputed = out["pp2"], out["pp2_recompute"]
     assert recomputed["metrics"]["grad_norm"] == plain["metrics"]["grad_norm"]
     for k, w in plain["after"].items():
         assert torch.equal(recomputed["after"][k], w), f"recompute changed the update of {k}"
 
 
 @pytest.mark.slow
-def test_saved_hf_checkpoint_reloads_exactly(moe, tmp_path):
+def test_saved_hf_checkpoint_reloads_exactly(moe):
     """Megatron (TP2 x EP2) -> save_hf_checkpoint -> transformers reload == the original model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path, ref = moe
-    out = tmp_path / "exported"
-    _run_layout(path, 2, {"tp": 2, "ep": 2}, save_to=out)
+    path, ref, _, out = moe
     saved = checkpoint_tensors(out)
     assert set(saved) == set(ref["original"])
     for name, w in saved.items():

@@ -6,6 +6,8 @@ the log-probs of HF-B forced to A's routing (the independent reference: HF's own
 the router probabilities re-gathered from B's scores at the forced ids); without replay the
 learner follows B's natural routing. R2: recording gives B's natural routing. One training step
 under replay matches HF-B forced + a clipped Adam step, router included (it keeps its gradient).
+The layouts of one world size run one after the other in one spawned process group (Megatron's
+parallel state rebuilt for each).
 """
 
 from __future__ import annotations
@@ -160,22 +162,36 @@ def models(tmp_path_factory):
                 logp_forced=logp_forced.detach(), logp_natural=logp_natural, after=after)
 
 
-LAYOUTS = [
-    (1, {}, "none"),
-    (2, {"pp": 2}, "none"),
-    (2, {"ep": 2}, "none"),
-    (2, {"tp": 2}, "none"),  # sequence parallel
-    (2, {"pp": 2}, "full"),  # activation recompute replays again in backward
-]
+LAYOUTS = {
+    "tp1": (1, {}, "none"),
+    "pp2": (2, {"pp": 2}, "none"),
+    "ep2": (2, {"ep": 2}, "none"),
+    "tp2_sp": (2, {"tp": 2}, "none"),  # sequence parallel
+    "pp2_recompute": (2, {"pp": 2}, "full"),  # activation recompute replays again in backward
+}
+
+
+def replays_worker(rank, world_size, path_b, routes_a, layouts):
+    """replay_worker for every layout of `layouts` ({name: (parallel, recompute)}) in turn."""
+    return {name: replay_worker(rank, world_size, path_b, routes_a, parallel, recompute)
+            for name, (parallel, recompute) in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def replays(models):
+    """{layout: rank 0's results}: one process group per world size."""
+    out = {}
+    for world in (1, 2):
+        mine = {name: (p, r) for name, (w, p, r) in LAYOUTS.items() if w == world}
+        out.update(run_distributed(replays_worker, world, str(models["path_b"]), models["routes_a"], mine)[0])
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size,parallel,recompute", LAYOUTS,
-                         ids=["tp1", "pp2", "ep2", "tp2_sp", "pp2_recompute"])
-def test_replay_reproduces_forced_routing(models, world_size, parallel, recompute):
-    m = models
-    out = next(r for r in run_distributed(replay_worker, world_size, str(m["path_b"]), m["routes_a"],
-                                          parallel, recompute) if r is not None)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_replay_reproduces_forced_routing(models, replays, name):
+    m, out = models, replays[name]
+    _, parallel, recompute = LAYOUTS[name]
     mask = m["mask"]
     replay_gap = (out["replayed"].double() - m["logp_forced"])[mask].abs().max().item()
     natural_gap = (out["natural"].double() - m["logp_forced"])[mask].abs().max().item()
