@@ -92,16 +92,25 @@ def worker(rank, world_size, hf_path, parallel, moe, budget):
     return dict(metrics=metrics, after=after, stats=stats, plan=[p.tolist() for p in learner._plan or []])
 
 
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), num_layers=2)
-    return path, run_distributed(worker, 1, str(path), {}, False, 0)[0]
+def runs_worker(rank, world_size, runs):
+    """`worker` for every run of `runs` ({name: (hf_path, parallel, moe, budget)}) in turn, in this
+    process group (Megatron's parallel state rebuilt for each)."""
+    return {name: worker(rank, world_size, *args) for name, args in runs.items()}
+
+
+BUDGETED = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2": {}}  # dense layouts under the token budget
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True)
-    return path, run_distributed(worker, 1, str(path), {}, True, 0)[0]
+def runs(tmp_path_factory):
+    """{name: rank 0's result}: the padded global steps (one process) and the token-budget steps
+    (two processes), one process group each."""
+    dense = str(make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), num_layers=2))
+    moe = str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True))
+    out = run_distributed(runs_worker, 1, {"dense": (dense, {}, False, 0), "moe": (moe, {}, True, 0)})[0]
+    budgeted = {name: (dense, parallel, False, 48) for name, parallel in BUDGETED.items()}
+    budgeted["ep2_r3"] = (moe, {"ep": 2}, True, 48)
+    return out | run_distributed(runs_worker, 2, budgeted)[0]
 
 
 def _check(out, ref, label):
@@ -112,11 +121,10 @@ def _check(out, ref, label):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"tp": 2}, {"pp": 2}, {}], ids=["tp2", "pp2", "dp2"])
-def test_token_budget_step_equals_the_padded_global_step(dense, parallel):
-    path, ref = dense
-    out = run_distributed(worker, 2, str(path), parallel, False, 48)[0]
-    _check(out, ref, str(parallel))
+@pytest.mark.parametrize("name", list(BUDGETED))
+def test_token_budget_step_equals_the_padded_global_step(runs, name):
+    out, parallel = runs[name], BUDGETED[name]
+    _check(out, runs["dense"], str(parallel))
     # More than one micro-batch, each within the budget (a sequence longer than it runs alone).
     assert len(out["plan"]) > 1
     if not parallel:  # DP2: the exchange ran and evened the tokens
@@ -126,10 +134,8 @@ def test_token_budget_step_equals_the_padded_global_step(dense, parallel):
 
 
 @pytest.mark.slow
-def test_token_budget_step_with_r3_replay_at_ep2(moe):
-    path, ref = moe
-    out = run_distributed(worker, 2, str(path), {"ep": 2}, True, 48)[0]
-    _check(out, ref, "ep2 r3")
+def test_token_budget_step_with_r3_replay_at_ep2(runs):
+    _check(runs["ep2_r3"], runs["moe"], "ep2 r3")
 
 
 def exchange_worker(rank, world_size):
