@@ -36,7 +36,7 @@ demo: $(STAMP)
 # module's fixtures stay on one worker; the longest go first (tests/conftest.py). TEST_WORKERS=0
 # runs it in this process, serially.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)

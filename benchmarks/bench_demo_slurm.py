@@ -5,8 +5,8 @@ them (local placement). Reports the train accuracy per step, the job's wall time
 demo's bar holds: accuracy <= 0.2 at step 0, a mean >= 0.8 over the last 5 of the 60 steps, curves
 plotted. Exit status 1 when it does not.
 
-This was a CI test until the suite's time budget (docs/testing.md): it takes 6-7 minutes on the
-2-core CI machine, and its parts are asserted in CI by cheaper tests --
+This was a CI test until the suite's time budget (docs/testing.md): 199 s of the serial suite on the
+2-core machine (2026-11-26), and its parts are asserted in CI by cheaper tests --
 - the same job shape (sbatch, DP=2 over two srun tasks, rank 0 starting SGLang, the RL trainer, curves
   plotted): tests/slurm/test_sbatch.py::test_usr1_checkpoints_requeues_resumes_rl_trainer;
 - the embedded default's batch and hyper-parameters learning: tests/e2e/test_trainer.py::test_short_demo_learns.

@@ -65,17 +65,23 @@ def _guarded(item):
             setattr(owner, name, original)
 
 
-# Running side by side (`make test` runs pytest-xdist's `-n 2 --dist loadgroup`): a test that uses a
-# module- or class-scoped fixture (a server, a set of spawned runs) runs on the same worker as the
-# rest of its module, so that the fixture is built once; every other test is scheduled on its own.
-# Work goes out longest first (tests/durations.json, the seconds each test took in a measured run;
-# a test not in it counts as UNKNOWN_S), which keeps the two workers' finishing times close.
+# Running side by side (`make test` runs pytest-xdist with two workers): a test that uses a module- or
+# class-scoped fixture (a server, a set of spawned runs) runs on the same worker as the rest of its
+# module, so that the fixture is built once, and so does a test marked `xdist_group(NAME)` with the
+# rest of NAME; every other test is scheduled on its own. Work goes out longest first
+# (tests/durations.json, the seconds each test took in a measured run; a test not in it counts as
+# UNKNOWN_S), which keeps the two workers' finishing times close.
+#
+# The groups are made here rather than by xdist's `--dist loadgroup`, which renames the grouped tests'
+# ids and cannot on pytest 9 (there nodeid derives from the structured id): worker gw0 writes
+# {nodeid: group} to a file the controller names, and the controller's scheduler (a LoadScope
+# scheduler whose scope is that group) reads it once every worker has collected.
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 UNKNOWN_S = 30.0
 
 
 def _shared_scope(item) -> str | None:
-    """The module (or class) whose fixtures this test shares, or None."""
+    """The module whose fixtures this test shares (module-, class- or package-scoped), or None."""
     info = getattr(item, "_fixtureinfo", None)
     if info is None:
         return None
@@ -92,11 +98,59 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         explicit = next((m.args[0] if m.args else m.kwargs.get("name") for m in item.iter_markers("xdist_group")),
                         None)
-        group = explicit or _shared_scope(item)
-        if group is not None and explicit is None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        units.setdefault(group or item.nodeid, []).append(item)
+        units.setdefault(explicit or _shared_scope(item) or item.nodeid, []).append(item)
     cost = {key: sum(seconds.get(i.nodeid, UNKNOWN_S) for i in unit) for key, unit in units.items()}
-    # Longest first; ties keep collection order (sorted is stable). Only the order of the units
-    # changes: within a module the tests keep their order.
+    # Longest first; ties keep collection order (sorted is stable). Within a unit, collection order.
     items[:] = [i for key in sorted(units, key=lambda k: -cost[k]) for i in units[key]]
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput and workerinput.get("workerid") == "gw0" and workerinput.get("mrl_groups_file"):
+        path = Path(workerinput["mrl_groups_file"])
+        path.with_suffix(".tmp").write_text(json.dumps({i.nodeid: key for key, unit in units.items() for i in unit}))
+        path.with_suffix(".tmp").replace(path)
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
+        import tempfile
+
+        config._mrl_groups_file = Path(tempfile.mkdtemp(prefix="mrl-xdist-")) / "groups.json"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    node.workerinput["mrl_groups_file"] = str(node.config._mrl_groups_file)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """LoadScope whose scope is the group tests/conftest.py gave each test."""
+
+        groups: dict[str, str] = {}
+
+        def schedule(self):
+            path = config._mrl_groups_file
+            self.groups = json.loads(path.read_text()) if path.exists() else {}
+            super().schedule()
+
+        def _split_scope(self, nodeid):
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
+# MRL_DURATIONS_OUT=FILE: write each test's seconds (set-up + call + tear-down) as JSON, the format of
+# tests/durations.json (`MRL_DURATIONS_OUT=tests/durations.json make test` refreshes it).
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] = _seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    out = os.environ.get("MRL_DURATIONS_OUT")
+    if out and not hasattr(session.config, "workerinput") and _seconds:  # the controller, not a worker
+        Path(out).write_text(json.dumps({k: round(v, 2) for k, v in sorted(_seconds.items())}, indent=0) + "\n")

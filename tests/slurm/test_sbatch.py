@@ -18,7 +18,7 @@
     beside them (local placement): the uninterrupted run completes and plots its curves; preemption
     end to end: USR1 mid-run -> checkpoint, requeue, resume; every step trained exactly once and
     every metric equal, bit for bit, to the uninterrupted run's.
-(The unchanged embedded default as a 60-step job meeting the demo's accuracy bar takes 6-7 minutes
+(The unchanged embedded default as a 60-step job meeting the demo's accuracy bar takes 3-4 minutes
 here: benchmarks/bench_demo_slurm.py; (f) asserts the same job shape and
 tests/e2e/test_trainer.py::test_short_demo_learns the learning.)
 
