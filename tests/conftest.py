@@ -51,8 +51,11 @@ def pytest_runtest_call(item):
     return (yield from _guarded(item))
 
 
+GPU_SUITE = Path(__file__).resolve().parent / "gpu"  # its own suite (docs/gpu.md), run only when named
+
+
 def _guarded(item):
-    if item.get_closest_marker("slow") is not None:
+    if item.get_closest_marker("slow") is not None or Path(item.path).is_relative_to(GPU_SUITE):
         return (yield)
     saved = [(owner, name, getattr(owner, name)) for owner, name in _TARGETS if hasattr(owner, name)]
     refuse = _refuse(item.nodeid)
@@ -93,6 +96,8 @@ def _shared_scope(item) -> str | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    if any(Path(i.path).is_relative_to(GPU_SUITE) for i in items):
+        return  # the GPU suite runs alone, in its own order
     seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     units: dict[str, list] = {}
     for item in items:

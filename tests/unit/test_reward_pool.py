@@ -95,9 +95,10 @@ def collect(pool: RewardPool, keys, limit: float = 20.0):
 
 @pytest.fixture(scope="module")
 def pool():
+    # `test_pool` stays registered afterwards: it is this module's import-time registration, and tests
+    # that do not share this fixture (and may run after its teardown) start pools of it too.
     with RewardPool("test_pool", workers=2, timeout=TIMEOUT) as p:
         yield p
-    _REGISTRY.pop("test_pool", None)
 
 
 @pytest.mark.slow
