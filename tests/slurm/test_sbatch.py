@@ -349,7 +349,7 @@ def assert_two_ranks(run: Path, jobid: str, log: str) -> None:
 
 # Shrunk so that a step takes about a second on 2 cores (8 prompts x 4 samples, one mini-batch, a
 # small eval) and USR1 lands mid-run.
-RL_STEPS = 40
+RL_STEPS = 24
 RL_RECIPE = ["tiny_cpu", f"trainer.steps={RL_STEPS}", "rollout.prompts_per_step=8",
              "rollout.n_samples=4", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
              "eval.num_prompts=8", "eval.k=1", "trainer.plot=false"]
