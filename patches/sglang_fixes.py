@@ -6,6 +6,11 @@
   to load, and the bias keeps its random initialisation: every score served is off by one random
   constant per server start (measured on a tiny reward model: −0.113 on every sequence). The
   fixed classes build the head without a bias, as transformers does.
+- Prompt exit on SIGTERM. The HTTP server's SIGTERM handler only sets a flag, and
+  `TokenizerManager.sigterm_watchdog` looks at it every 5 s (`asyncio.sleep(5)`), so every stop
+  and every restart of a server waited 0-5 s (measured: SIGTERM -> exit 4.1 s on an idle CPU server)
+  before the drain began. The fixed watchdog looks every 0.1 s and then runs SGLang's own drain and
+  shutdown unchanged (requests still in flight are still waited for).
 """
 
 from __future__ import annotations
@@ -29,6 +34,21 @@ def _without_score_bias(init):
     return __init__
 
 
+SIGTERM_POLL_S = 0.1
+
+
+def _prompt_sigterm_watchdog(watchdog):
+    async def sigterm_watchdog(self):
+        import asyncio
+
+        while not self.gracefully_exit:
+            await asyncio.sleep(SIGTERM_POLL_S)
+        await watchdog(self)  # sees the flag at once: SGLang's drain and shutdown, unchanged
+
+    sigterm_watchdog._megatron_rl_fixed = True
+    return sigterm_watchdog
+
+
 def apply(version: str | None = None) -> None:
     import importlib
 
@@ -37,3 +57,7 @@ def apply(version: str | None = None) -> None:
         cls = importlib.import_module(name).EntryClass[0]
         if not getattr(cls.__init__, "_megatron_rl_fixed", False):
             cls.__init__ = _without_score_bias(cls.__init__)
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    if not getattr(TokenizerManager.sigterm_watchdog, "_megatron_rl_fixed", False):
+        TokenizerManager.sigterm_watchdog = _prompt_sigterm_watchdog(TokenizerManager.sigterm_watchdog)

@@ -103,6 +103,11 @@ def test_applies_to_installed_sglang():
                     qwen3_classification.Qwen3ForSequenceClassification):
             assert cls.__init__._megatron_rl_fixed and cls.__init__.__closure__[0].cell_contents.__name__ == "__init__"
             assert not hasattr(cls.__init__.__closure__[0].cell_contents, "_megatron_rl_fixed")
+        # the SIGTERM watchdog wraps SGLang's own, once
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+        inner = TokenizerManager.sigterm_watchdog.__closure__[0].cell_contents
+        assert TokenizerManager.sigterm_watchdog._megatron_rl_fixed and inner.__name__ == "sigterm_watchdog"
+        assert not hasattr(inner, "_megatron_rl_fixed")
         print("OK")
         """
     )
@@ -204,3 +209,31 @@ def test_batch_invariant_mode_routes_linear_and_matmul():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[2], timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_sigterm_watchdog_starts_the_drain_at_once_and_keeps_sglangs_own():
+    import asyncio
+    import time
+
+    calls = []
+
+    async def upstream(self):  # stands for SGLang's drain + shutdown; it runs once the flag is seen
+        calls.append((self.gracefully_exit, time.monotonic()))
+
+    class Manager:
+        gracefully_exit = False
+        sigterm_watchdog = sglang_fixes._prompt_sigterm_watchdog(upstream)
+
+    async def main(manager):
+        task = asyncio.create_task(manager.sigterm_watchdog())
+        await asyncio.sleep(0.3)
+        assert not calls  # no flag, no shutdown
+        manager.gracefully_exit = True
+        flagged = time.monotonic()
+        await asyncio.wait_for(task, timeout=2)
+        return flagged
+
+    flagged = asyncio.run(main(Manager()))
+    assert len(calls) == 1 and calls[0][0] is True
+    assert calls[0][1] - flagged < 5 * sglang_fixes.SIGTERM_POLL_S + 0.2  # upstream looked every 5 s
+    assert Manager.sigterm_watchdog._megatron_rl_fixed
