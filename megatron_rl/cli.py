@@ -42,9 +42,12 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     job = to_object(cfg)
     # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
     world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
+    check_model_path(job.model)
+    from megatron_rl.models.layout import check_layout
+
+    check_layout(job.model, job.parallel)  # heads / KV heads / MLP vs TP, layers vs PP and VPP, experts vs EP
     sizes = layout_sizes(job.parallel, world_size)
     validate(job)
-    check_model_path(job.model)
     if job.reward_model.enabled and job.reward_model.hf_path:
         check_model_path(job.reward_model, "reward_model.hf_path")
     if job.algorithm.advantage == "gae" and job.critic.hf_path:
@@ -124,6 +127,21 @@ def _eval(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer handles it, or a second one (trainer/signals.py)
+        print("\n[megatron-rl] interrupted: no checkpoint of the step in progress (the newest checkpoint, "
+              "if any, is where a resume continues)", file=sys.stderr, flush=True)
+        if argv is None:  # the console command: stop the servers (atexit), then leave without waiting on
+            import atexit  # rollout threads mid-request (their asyncio teardown prints pages)
+
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            os._exit(130)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # Before anything imports megatron-core: its import-time notices collapse into one line.
     if "--verbose" in argv:  # any command; inherited by every process it starts (MRL_VERBOSE)

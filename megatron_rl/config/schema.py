@@ -260,7 +260,8 @@ class TrainerConfig:
     rollouts_dir: Optional[str] = None  # rollout_only writes / train_only reads here (default out_dir/rollouts)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
     keep_checkpoints: int = 2  # newest checkpoints kept
-    resume: bool = True  # resume from the newest checkpoint in out_dir/checkpoints
+    resume: bool = True  # resume from the newest checkpoint in out_dir/checkpoints (false: start over, replacing them)
+    allow_config_change: bool = False  # resume a checkpoint written with other experiment settings (algorithm, model, data, layout, mode, ...); false: such a resume is an error naming them (trainer/run_dir.py)
     progress: bool = True  # live progress display on rank 0 (a plain line per step when not a TTY)
     plot: bool = True  # write out_dir/curves.png at the end
     tensorboard: bool = False  # also log to TensorBoard (out_dir/tb)

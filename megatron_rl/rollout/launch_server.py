@@ -6,6 +6,9 @@ takes SGLang's own server arguments and runs SGLang's HTTP server entry point
 (`sglang.launch_server`) with them. It applies `patches.sglang_fixes` (every device) and, with
 `--device cpu`, first `patches.sglang_cpu`.
 
+`--exit-with-parent` (EngineManager's servers): the server shuts down once the process that started
+it is gone.
+
 `--slurm-slot` (the sbatch script's disaggregated servers, several per node in one srun step):
 this process is server k = SLURM_LOCALID of its node. It serves on the node's GPUs
 [k·TP, (k+1)·TP) (of CUDA_VISIBLE_DEVICES when Slurm set it; CUDA_VISIBLE_DEVICES is narrowed to
@@ -62,6 +65,11 @@ signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if "--exit-with-parent" in argv:
+        argv = [a for a in argv if a != "--exit-with-parent"]
+        from megatron_rl.rollout.lifeline import exit_with_parent
+
+        exit_with_parent()
     if _device(argv) == "cpu" and os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         apply_patches()

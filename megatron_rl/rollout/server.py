@@ -203,7 +203,8 @@ class SGLangServer:
             cmd.append("--enable-memory-saver")
         if c.sleep_on_idle if c.sleep_on_idle is not None else c.device == "cpu":
             cmd.append("--sleep-on-idle")
-        return cmd + list(c.extra_args)
+        # Exits when this process (its parent) is gone, however it ended (launch_server).
+        return cmd + ["--exit-with-parent"] + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
         return server_environment(os.environ, self.config.env, device=self.config.device,
@@ -223,8 +224,11 @@ class SGLangServer:
                              f"on {self.url} at {time.strftime('%F %T')}: {' '.join(self.command())}\n"
                              .encode())
         self._log_file.flush()
+        # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
+        # the trainer, which stops at the step's end and then stops its servers; a server that got
+        # the SIGINT too would die under the step (`--exit-with-parent` covers the trainer's death).
         self.proc = subprocess.Popen(self.command(), stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=self.environment())
+                                     stdin=subprocess.DEVNULL, env=self.environment(), process_group=0)
         logger.info("server %d: started pid %d on %s (log %s)", self.index, self.proc.pid, self.url,
                     self.log_path)
 

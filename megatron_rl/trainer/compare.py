@@ -8,7 +8,7 @@ runs share one SGLang server (each run starts by pushing its own weights to it),
 start-up is paid; `--parallel N` starts N servers, one per run in flight.
 
     megatron-rl compare --recipe testbed_cpu --seeds 3 --steps 40
-    -> runs/compare/<method>/seed<k>/..., runs/compare/accuracy.png, runs/compare/summary.json
+    -> runs/compare/testbed_cpu/<method>/seed<k>/..., .../accuracy.png, .../summary.json
 
 A method is `--algorithms NAME` (configs/algorithm/NAME.yaml) or `--method LABEL=NAME [OVERRIDE ...]`
 for a variant, e.g. `--method "dppo_tv_d0.2=dppo_binary_tv +algorithm.loss_kwargs.delta=0.2"`.
@@ -18,8 +18,10 @@ region, and each method is run at the hyperparameters given here, once: the summ
 trial budget (1 per method) beside the results. The default set is the paper's methods.
 
 `--first-seed F` runs seeds F .. F + seeds − 1 (e.g. `--first-seed 3 --seeds 2` adds seeds 3 and 4
-to an earlier 3-seed comparison). A run whose metrics already reach the last step is kept, so an
-interrupted comparison continues where it stopped. `--parallel N` runs N at once, each against a
+to an earlier 3-seed comparison). A run folder that holds a finished run of exactly the configuration
+this comparison would run (every experiment key of its checkpoint's config, and the steps) is kept, so
+an interrupted comparison continues where it stopped; one made with other settings (another learning
+rate, recipe, seed rule, ...) is run again, and the line says what differed. `--parallel N` runs N at once, each against a
 server of its own (a run owns its server's weights), each with 1/N of the CPU threads.
 """
 
@@ -39,6 +41,7 @@ from pathlib import Path
 from megatron_rl.config.load import load_config, to_object
 from megatron_rl.trainer.metrics import read_metrics
 from megatron_rl.trainer.plot import plot_compare
+from megatron_rl.trainer.run_dir import as_dict
 
 DEFAULT_ALGORITHMS = "dppo_binary_tv,dppo_binary_kl,dppo_topk_tv,grpo_clip_higher,cispo,pg_is"
 # Metrics the summary reports per method (means over seeds; per-seed values beside them).
@@ -69,6 +72,26 @@ def _finished(run_dir: Path, steps: int) -> bool:
     except FileNotFoundError:
         return False
     return bool(rows) and rows[-1]["step"] >= steps - 1
+
+
+def reusable(run_dir: Path, steps: int, wanted: dict) -> tuple[bool, str]:
+    """(keep it, why not): a run folder is this comparison's run only if it finished and its newest
+    checkpoint was written by exactly the configuration this comparison would run now (every
+    experiment key equal, and as many steps)."""
+    from megatron_rl.trainer.checkpoint import latest_checkpoint
+    from megatron_rl.trainer.run_dir import differences, saved_config
+
+    if not _finished(run_dir, steps):
+        return False, "not finished"
+    ckpt = latest_checkpoint(run_dir)
+    saved = saved_config(ckpt) if ckpt is not None else None
+    if saved is None:
+        return False, "no checkpoint with its configuration"
+    changed, _ = differences(saved, wanted)
+    ran = saved.get("trainer", {}).get("steps")
+    if ran != steps:
+        changed.append(f"trainer.steps: {ran!r} -> {steps!r}")
+    return not changed, "; ".join(changed)
 
 
 def collapse_events(acc: list[float], frac: float = 0.5, span: int = 5) -> int:
@@ -122,13 +145,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--parallel", type=int, default=1, help="runs at once (one server each)")
     p.add_argument("--target", type=float, default=TARGET, help="the accuracy of 'steps to target'")
-    p.add_argument("--out", default="runs/compare")
+    p.add_argument("--out", default=None, help="the comparison's folder (default: runs/compare/<recipe>)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
     args = p.parse_args(argv)
     algorithms = args.algorithms if args.algorithms is not None else ("" if args.method else DEFAULT_ALGORITHMS)
     methods = parse_methods(algorithms, args.method)
     shared = list(args.overrides) + ([] if args.advantage == "config" else [f"algorithm.advantage={args.advantage}"])
-    out = Path(args.out)
+    out = Path(args.out or f"runs/compare/{args.recipe}")
     # Validate every combination before starting anything. A top-K divergence needs the engine's
     # top-K log-probs: such a method gets rollout.top_k_logprobs=20 unless the recipe asks for some.
     routes = False  # the servers return routed experts when any method replays them (R3)
@@ -171,21 +194,33 @@ def main(argv: list[str]) -> int:
         def run(item) -> None:
             label, seed = item
             run_dir = out / label / f"seed{seed}"
-            if _finished(run_dir, args.steps):
-                print(f"[compare] {label} seed {seed}: done before, kept ({run_dir})", flush=True)
-                return
+            if run_dir.exists():
+                wanted = to_object(load_config(args.recipe, run_overrides(label, seed, run_dir, "http://127.0.0.1:1")))
+                if wanted.model.hf_path is None and wanted.model.base.sft_steps > 0:
+                    wanted.model.hf_path = str(model)  # as `train` resolves it: the cached base model
+                wanted = as_dict(wanted)
+                keep, why = reusable(run_dir, args.steps, wanted)
+                if keep:
+                    print(f"[compare] {label} seed {seed}: done before with these settings, kept ({run_dir})", flush=True)
+                    return
+                if why != "not finished":
+                    print(f"[compare] {label} seed {seed}: {run_dir} was run with other settings ({why}); "
+                          f"running it again", flush=True)
             url = free.get()  # a server of its own while it runs (a run pushes its weights to it)
             try:
                 _run(label, seed, run_dir, url)
             finally:
                 free.put(url)
 
+        def run_overrides(label, seed, run_dir, url) -> list[str]:
+            return [*methods[label], f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",
+                    *([f"model.tiny.seed={seed}"] if seeded_init else []),
+                    f"trainer.out_dir={run_dir}", "trainer.resume=false",
+                    f"rollout.server_urls=[{url}]", "trainer.progress=false", *shared]
+
         def _run(label, seed, run_dir, url) -> None:
-            cmd = [sys.executable, "-m", "megatron_rl.cli", "train", args.recipe, *methods[label],
-                   f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",
-                   *([f"model.tiny.seed={seed}"] if seeded_init else []),
-                   f"trainer.out_dir={run_dir}", "trainer.resume=false",
-                   f"rollout.server_urls=[{url}]", "trainer.progress=false", *shared]
+            cmd = [sys.executable, "-m", "megatron_rl.cli", "train", args.recipe,
+                   *run_overrides(label, seed, run_dir, url)]
             print(f"[compare] {label} seed {seed} -> {run_dir}", flush=True)
             run_dir.mkdir(parents=True, exist_ok=True)
             env = dict(os.environ, OMP_NUM_THREADS=str(threads))

@@ -38,6 +38,7 @@ weights (`sync_weights`, the one place the two differ). The models are built by 
 from __future__ import annotations
 
 import inspect
+import os
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -55,6 +56,7 @@ from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_su
 from megatron_rl.trainer import batch as batching
 from megatron_rl.trainer.batch import RolloutBatch
 from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.trainer.run_dir import check_resume, nothing_to_do, write_checkpoint_config, write_run_config
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
 from megatron_rl.trainer.prompts import PromptStream, load_examples, tokenize
@@ -108,6 +110,16 @@ def validate(cfg: JobConfig) -> None:
                   extra=("entropy_eps",) if a.policy_loss == "aspo" else ())
     _check_kwargs("advantage_kwargs", a.advantage_kwargs, "advantage", a.advantage,
                   tensors=("group_ids_B", "values_BT"))
+    from megatron_rl.vocab_parallel import DIVERGENCES
+
+    if a.divergence is not None and a.divergence not in DIVERGENCES:
+        raise ValueError(f"algorithm.divergence={a.divergence!r}; valid: {', '.join(DIVERGENCES)} (or null)")
+    for key, kind, name in (("agg_mode", "aggregation", a.agg_mode), ("correction", "correction", a.correction)):
+        if name:
+            try:
+                get(kind, name)
+            except ValueError as e:
+                raise ValueError(f"algorithm.{key}: {e}") from None
     if a.router_replay not in ("none", "r2", "r3"):
         raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
     if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
@@ -194,9 +206,8 @@ class Trainer:
         t = cfg.trainer
         self.out_dir = Path(t.out_dir)
         self.rollouts_dir = Path(t.rollouts_dir or self.out_dir / "rollouts")
-        if ctx.rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        resume = check_resume(cfg)  # the launch checked it already; a config changed since fails here too
+        notes = write_run_config(cfg, resume) if ctx.rank == 0 else []
         models = build_models(cfg, ctx, self.out_dir)
         self.learner, self.reference, self.critic, self.reward_model = (
             models.policy, models.reference, models.critic, models.reward_model)
@@ -218,6 +229,8 @@ class Trainer:
                                     run_name=cfg.name, config_dict=OmegaConf.to_container(OmegaConf.structured(cfg)))
         if ckpt is not None:
             self.logger.message(f"[megatron-rl] resumed from {ckpt} at step {self.step}")
+        for line in notes:
+            self.logger.message(line)
         self.rollouts = None
         if t.mode != "train_only":
             from megatron_rl.trainer.rollouts import Rollouts
@@ -225,7 +238,7 @@ class Trainer:
             moe_topk = self.learner.config.moe_router_topk if self.learner.config.num_moe_experts else None
             self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk,
                                      num_experts=self.learner.config.num_moe_experts)
-        self.stop = StopRequest(ctx.device)
+        self.stop = StopRequest(ctx.device, announce=ctx.rank == 0)
         self.history: list[dict] = []
         self._attempt = 0
         self._restarts = 0  # steps whose rollouts were made again (a server served other weights)
@@ -736,8 +749,14 @@ class Trainer:
                 s.batch.save(folder / "queue" / f"t{s.target:08d}.dp{self.ctx.dp_rank}.pt",
                              {"metrics": s.metrics, "position": s.position})
 
+        def write_extra(folder: Path) -> None:
+            if self.producer:
+                write_queue(folder)
+            if self.ctx.rank == 0:
+                write_checkpoint_config(self.cfg, folder)
+
         return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints,
-                               others=self._others(), extra=write_queue if self.producer else None)
+                               others=self._others(), extra=write_extra)
 
     def _load_queue(self) -> list:
         """The shares a resumed checkpoint saved for this producer (none if the data-parallel size
@@ -779,6 +798,16 @@ def train(cfg: JobConfig) -> list[dict]:
         from megatron_rl.models.base import ensure_base_model
 
         cfg.model.hf_path = str(ensure_base_model(cfg))  # built once, then cached (file-locked)
+    # Before anything starts: the run folder holds this run or none (else ResumeMismatch, naming
+    # the differences), and a finished run has nothing to do (no model built, no server started).
+    idle = nothing_to_do(cfg, check_resume(cfg))
+    if idle is not None:
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+            print(idle, flush=True)
+        return []
+    from megatron_rl.models.layout import check_layout
+
+    check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
     ctx = init_distributed(cfg.parallel)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)

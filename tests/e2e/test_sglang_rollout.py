@@ -15,6 +15,7 @@ MoE servers are this module's own (one is killed).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -218,6 +219,10 @@ def test_killed_server_mid_generation(moe):
         time.sleep(1)
     assert [e[0] for e in mgr.restart_events] == [0]
     assert victim.healthy() and victim.restarts == 1 and victim.url == victim_url
+    # restarted from the watchdog thread, still in a process group of its own (a terminal's Ctrl-C
+    # reaches only its trainer) and told to exit with its parent (tests/e2e/test_server_lifeline.py)
+    assert os.getpgid(victim.pid) == victim.pid != os.getpgid(0)
+    assert "--exit-with-parent" in victim.command()
     # the restarted server serves correct routed experts again
     out2, _ = _generate(mgr, SamplingParams(temperature=1.0, max_new_tokens=4), n=2,
                         return_routed_experts=True)

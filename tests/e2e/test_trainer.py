@@ -6,7 +6,8 @@ pushing its learner's weights, so the server always serves the run's own policy)
 - a shorter version of the embedded default learns (train accuracy rises well above chance);
 - exact resume: 6 steps straight == 3 steps, kill -9, resume, 3 more (samples and rewards bit-identical,
   other metrics to SGLang's fp32 noise);
-- SIGTERM mid-run: checkpoint written, exit 0 within 60 s, resume continues from it;
+- Ctrl-C (SIGINT to the process group) mid-run: checkpoint written, exit 0 within 60 s in a few
+  lines, resume continues from it;
 - rollout_only saves batches that train_only trains on without any server.
 """
 
@@ -17,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -113,17 +115,28 @@ def test_exact_resume_after_kill9(server_url, tmp_path):
         assert not diff, f"step {ra['step']}: {diff}"
 
 
-def test_sigterm_checkpoints_exits_zero_and_resumes(server_url, tmp_path):
+def test_ctrl_c_checkpoints_exits_zero_quietly_and_resumes(server_url, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole foreground process group (the trainer, its reward
+    workers). SIGTERM and SIGUSR1 take the same path (tests/unit/test_run_dir.py; Slurm's USR1 in
+    tests/slurm)."""
     out_dir = tmp_path / "term"
     proc = subprocess.Popen(cli(out_dir, server_url, "trainer.steps=50", "trainer.save_every=1"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     wait_for_checkpoint(out_dir, 2, proc)
-    sent = time.time()
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=60)
+    sent, before = time.time(), len(lines)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)
+    reader.join(10)
+    output = "".join(lines)
     assert proc.returncode == 0, output[-3000:]
     assert time.time() - sent < 60
-    assert "SIGTERM: checkpoint at step" in output
+    after = [line for line in lines[before:] if line.strip()]
+    steps = [line for line in after if line.startswith("step ")]  # the step in progress finishes and logs
+    assert len(after) - len(steps) <= 5, "".join(after)
+    assert "SIGINT: checkpoint at step" in output and "Ctrl-C: stopping after this step" in output
     latest = (out_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
     assert stopped_at >= 3
@@ -191,6 +204,15 @@ def test_rollout_only_then_train_only(server_url, tmp_path):
     d = tmp_path / "split"
     run(d, server_url, "trainer.steps=2", "trainer.mode=rollout_only")
     assert sorted(p.name for p in (d / "rollouts").iterdir()) == ["step_00000000.dp0.pt", "step_00000001.dp0.pt"]
+    # The same launch again: nothing to do, said in one line, no server contacted (a dead URL).
+    again = run(d, "http://127.0.0.1:9", "trainer.steps=2", "trainer.mode=rollout_only")
+    assert "nothing to do" in again.stdout and "at step 2" in again.stdout, again.stdout
+    # train_only in the rollout_only run's folder would resume its optimizer-less checkpoint: refused,
+    # naming the difference and the way (before any model is built).
+    refused = subprocess.run(cli(d, "http://127.0.0.1:9", "trainer.steps=2", "trainer.mode=train_only",
+                                 f"trainer.rollouts_dir={d / 'rollouts'}"), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-3000:]
+    assert "trainer.mode: 'rollout_only' -> 'train_only'" in refused.stderr and "Traceback" not in refused.stderr
     # No server at all for train_only: a dead URL proves nothing is contacted.
     run(d / "train", "http://127.0.0.1:9", "trainer.steps=2", "trainer.mode=train_only",
         f"trainer.rollouts_dir={d / 'rollouts'}")

@@ -4,6 +4,7 @@ recipes' dry-run, actionable errors."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -175,12 +176,12 @@ def paper_inputs(tmp_path_factory):
     pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows]),
                    root / "data" / "ultrafeedback-prompts.parquet")
     # The shapes the dry-run checks the servers' TP against (the published configs' values).
-    moe = {"num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
-           "moe_intermediate_size": 768, "intermediate_size": 6144}
-    qwen3_4b = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 9728}
+    moe = {"num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts": 128,
+           "moe_intermediate_size": 768, "intermediate_size": 6144, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    qwen3_4b = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 9728}
     for name, shape in (("Qwen3-30B-A3B-Base", moe), ("Qwen3-30B-A3B", moe),
-                        ("Qwen3-8B-Base", {"num_attention_heads": 32, "num_key_value_heads": 8,
-                                           "intermediate_size": 12288}),
+                        ("Qwen3-8B-Base", {"num_hidden_layers": 36, "num_attention_heads": 32,
+                                           "num_key_value_heads": 8, "intermediate_size": 12288}),
                         ("Qwen3-4B-Instruct-2507", qwen3_4b), ("Skywork-Reward-V2-Qwen3-4B", qwen3_4b)):
         (root / "models" / name).mkdir(parents=True)
         (root / "models" / name / "config.json").write_text(json.dumps(shape))
@@ -204,6 +205,37 @@ def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
         assert f"data: 5 training prompts, {10 if job.data.eval_files else 0} eval prompts" in out
     if job.parallel.world_size:
         assert f"layout for world size {job.parallel.world_size}:" in out
+
+
+@pytest.mark.parametrize("recipe,override,message", [
+    ("tiny_cpu", "parallel.tp=3", "parallel.tp=3: 4 attention heads are not divisible by it"),
+    ("tiny_cpu", "parallel.pp=3", "parallel.pp=3: 2 layers are not divisible by it"),
+    ("tiny_moe_cpu_r3", "parallel.ep=3", "parallel.ep=3: 4 experts are not divisible by it"),
+    ("tiny_cpu", "parallel.ep=2", "parallel.ep=2: the model has no experts"),
+    ("dppo_binary_tv_qwen3_30b_a3b_base_r3", "parallel.tp=3", "parallel.tp=3: 32 attention heads"),
+    ("dppo_binary_tv_qwen3_30b_a3b_base_r3", "parallel.ep=3", "parallel.ep=3: 128 experts are not divisible"),
+    ("dppo_binary_tv_qwen3_30b_a3b_base_r3", "parallel.pp=5", "parallel.pp=5: 48 layers are not divisible"),
+    ("dppo_binary_tv_qwen3_30b_a3b_base_r3", "parallel.pp=4 parallel.vpp=5",
+     "parallel.vpp=5: 12 layers per pipeline stage"),
+    ("tiny_cpu", "algorithm.divergence=binary_tvv", "algorithm.divergence='binary_tvv'; valid: binary_tv"),
+    ("tiny_cpu", "algorithm.agg_mode=token_mean", "algorithm.agg_mode: unknown aggregation 'token_mean'"),
+])
+def test_dry_run_refuses_what_would_fail_after_the_launch(recipe, override, message, paper_inputs, monkeypatch,
+                                                         capsys):
+    """Layouts Megatron-Core refuses for the model's shape, and registry names used only after the
+    first rollouts: the dry-run (and `train`, before it starts anything) names them."""
+    from megatron_rl import cli
+    from megatron_rl.models.layout import check_layout
+
+    monkeypatch.setenv("MRL_DATA", str(paper_inputs / "data"))
+    monkeypatch.setenv("MRL_MODELS", str(paper_inputs / "models"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main(["dry-run", recipe, *override.split()]) == 2
+    assert message in capsys.readouterr().err
+    job = to_object(load_config(recipe, override.split()))
+    if override.startswith("parallel."):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check_layout(job.model, job.parallel)  # what `train` calls before init_distributed
 
 
 def test_paper_recipes_keep_the_papers_settings():

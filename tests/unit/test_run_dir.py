@@ -1,0 +1,157 @@
+"""One run per folder (trainer/run_dir.py), `compare`'s reuse of finished runs, and Ctrl-C.
+
+The run folders here are what `train` leaves: a checkpoint folder holding the configuration that
+wrote it (written by the same function the trainer calls) and the `latest` marker; the checks read
+nothing else before they decide. The CLI runs in this process: a launch that has nothing to do, or
+that would resume another experiment, returns before any model is built or server started (the
+server's start is made to fail loudly here, so reaching it would fail the test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from megatron_rl import cli
+from megatron_rl.config.load import load_config, to_object
+from megatron_rl.trainer.compare import reusable
+from megatron_rl.trainer.run_dir import (ResumeMismatch, as_dict, check_resume, differences, nothing_to_do,
+                                         write_checkpoint_config, write_run_config)
+from megatron_rl.trainer.signals import StopRequest
+
+
+def job(out_dir, *overrides):
+    return to_object(load_config("tiny_cpu", [f"trainer.out_dir={out_dir}", *overrides]))
+
+
+def finished_run(out_dir, step: int, *overrides, metrics: bool = False):
+    """The folder a `train tiny_cpu` run leaves at `step` (checkpoint config + marker + metrics)."""
+    cfg = job(out_dir, *overrides)
+    write_run_config(cfg, check_resume(cfg))
+    folder = out_dir / "checkpoints" / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    write_checkpoint_config(cfg, folder)
+    (out_dir / "checkpoints" / "latest").write_text(folder.name)
+    if metrics:
+        rows = [{"step": -1, "eval/mean@4": 0.0}] + [{"step": s, "rollout/accuracy": 0.5} for s in range(step)]
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return cfg
+
+
+@pytest.fixture
+def no_server(monkeypatch):
+    from megatron_rl.rollout import server
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a server was started")
+
+    monkeypatch.setattr(server.EngineManager, "start", refuse)
+    monkeypatch.setattr(server.SGLangServer, "start", refuse)
+
+
+def test_experiment_keys_and_operational_keys():
+    a = as_dict(job("runs/x"))
+    b = as_dict(job("runs/y", "algorithm=cispo", "optim.lr=0.5", "parallel.tp=2", "trainer.mode=train_only",
+                    "trainer.steps=500", "rollout.server_urls=[http://h:1]", "eval.every=3", "data.reward_workers=4"))
+    changed, operational = differences(a, b)
+    keys = {line.split(":")[0] for line in changed}
+    assert {"algorithm.policy_loss", "optim.lr", "parallel.tp", "trainer.mode"} <= keys
+    assert not keys & {"trainer.steps", "trainer.out_dir", "rollout.server_urls", "eval.every", "data.reward_workers"}
+    assert {line.split(":")[0] for line in operational} == {
+        "trainer.steps", "trainer.out_dir", "rollout.server_urls", "eval.every", "data.reward_workers"}
+    assert "optim.lr: 0.001 -> 0.5" in changed
+    assert differences(a, as_dict(job("runs/x"))) == ([], [])
+
+
+def test_finished_run_has_nothing_to_do_and_starts_nothing(tmp_path, capsys, no_server):
+    out = tmp_path / "tiny_cpu"
+    finished_run(out, 60, "trainer.steps=60")
+    assert cli.main(["train", "tiny_cpu", f"trainer.out_dir={out}", "trainer.steps=40"]) == 0
+    printed = capsys.readouterr().out
+    assert "nothing to do" in printed and "at step 60" in printed and "trainer.steps=40" in printed
+    cfg = job(out, "trainer.steps=60")
+    assert nothing_to_do(cfg, check_resume(cfg))  # == steps: done as well
+    assert nothing_to_do(job(out, "trainer.steps=61"), check_resume(job(out, "trainer.steps=61"))) is None
+
+
+def test_resuming_another_experiment_names_every_difference(tmp_path, capsys, no_server):
+    out = tmp_path / "tiny_cpu"
+    finished_run(out, 60)
+    before = (out / "config.yaml").read_text()
+    assert cli.main(["train", "tiny_cpu", f"trainer.out_dir={out}", "algorithm=cispo", "trainer.steps=40"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run at step 60" in err and "algorithm.policy_loss: 'dppo' -> 'cispo'" in err
+    assert "trainer.steps" not in err  # operational: not a difference of the experiment
+    for way in ("trainer.out_dir=", "trainer.resume=false", "trainer.allow_config_change=true"):
+        assert way in err
+    assert (out / "config.yaml").read_text() == before  # untouched by the refused launch
+    # The torchrun TP2 line of the README in the demo's folder: the layout is part of the experiment
+    with pytest.raises(ResumeMismatch, match="parallel.tp: 1 -> 2"):
+        check_resume(job(out, "parallel.tp=2"))
+
+
+def test_rollout_only_checkpoints_are_not_resumed_by_train_only(tmp_path):
+    out = tmp_path / "split"
+    finished_run(out, 2, "trainer.mode=rollout_only")
+    with pytest.raises(ResumeMismatch) as e:
+        check_resume(job(out, "trainer.mode=train_only", f"trainer.rollouts_dir={out / 'rollouts'}"))
+    msg = str(e.value)
+    assert "trainer.mode: 'rollout_only' -> 'train_only'" in msg and "hold no optimizer state" in msg
+    assert f"trainer.rollouts_dir={out / 'rollouts'}" in msg
+
+
+def test_allowed_change_keeps_the_config_before_and_resume_false_starts_over(tmp_path):
+    out = tmp_path / "tiny_cpu"
+    finished_run(out, 20)
+    cfg = job(out, "optim.lr=0.5", "trainer.allow_config_change=true")
+    resume = check_resume(cfg)
+    assert resume.step == 20 and resume.changed == ["optim.lr: 0.001 -> 0.5"]
+    notes = write_run_config(cfg, resume)
+    assert "optim.lr: 0.001 -> 0.5" in notes[0] and "config.before_step_00000020.yaml" in notes[0]
+    assert "lr: 0.001" in (out / "config.before_step_00000020.yaml").read_text()
+    assert "lr: 0.5" in (out / "config.yaml").read_text()
+    fresh = job(out, "trainer.resume=false", "algorithm=cispo")
+    resume = check_resume(fresh)
+    assert resume.checkpoint is None
+    notes = write_run_config(fresh, resume)
+    assert "starting over" in notes[0] and "step_00000020" in notes[0]
+    assert not (out / "checkpoints").exists()  # the new run's checkpoints cannot mix with the old ones
+
+
+def test_compare_keeps_only_runs_of_its_own_configuration(tmp_path):
+    run = tmp_path / "compare" / "dppo_binary_tv" / "seed0"
+    finished_run(run, 40, "algorithm=dppo_binary_tv", "trainer.steps=40", "optim.lr=1e-3", metrics=True)
+    same = as_dict(job(run, "algorithm=dppo_binary_tv", "trainer.steps=40", "optim.lr=1e-3",
+                       "trainer.resume=false", "rollout.server_urls=[http://other:1]"))
+    assert reusable(run, 40, same) == (True, "")
+    other_lr = as_dict(job(run, "algorithm=dppo_binary_tv", "trainer.steps=40", "optim.lr=0.5"))
+    keep, why = reusable(run, 40, other_lr)
+    assert not keep and "optim.lr: 0.001 -> 0.5" in why
+    keep, why = reusable(run, 30, as_dict(job(run, "algorithm=dppo_binary_tv", "trainer.steps=30")))
+    assert not keep and "trainer.steps: 40 -> 30" in why  # its metrics have 40 steps, not the 30 asked
+    assert reusable(tmp_path / "nothing", 40, same) == (False, "not finished")
+
+
+def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
+    stop = StopRequest(announce=True)
+    try:
+        assert not stop.requested()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested() and stop.name() == "SIGINT"
+        assert capfd.readouterr().err.count("Ctrl-C: stopping after this step with a checkpoint") == 1
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.restore()
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
+        stop = StopRequest(announce=True)
+        try:
+            os.kill(os.getpid(), sig)
+            assert stop.requested() and stop.name() == signal.Signals(sig).name
+        finally:
+            stop.restore()
+    assert "Ctrl-C" not in capfd.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
