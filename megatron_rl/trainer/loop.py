@@ -37,6 +37,7 @@ weights (`sync_weights`, the one place the two differ). The models are built by 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import time
@@ -183,6 +184,10 @@ def validate(cfg: JobConfig) -> None:
             raise ValueError("algorithm.overlong_buffer ramps a penalty up to rollout.max_new_tokens, the length "
                              "of one sampled response; an episode of rollout.generate has several turns and "
                              "environment tokens, which that bound does not describe")
+    for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(cfg.trainer, flag) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"trainer.{flag}=true needs the {package} package, which is not installed: "
+                             f"pip install -e '.[loggers]' (tensorboard and wandb), or pip install {package}")
     if cfg.trainer.max_staleness < 0:
         raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 (0: synchronous)")
     if r.partial_rollouts and (cfg.trainer.max_staleness < 1 or cfg.trainer.mode != "train"):

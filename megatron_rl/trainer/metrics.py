@@ -57,7 +57,8 @@ class MetricsLogger:
 
             os.environ.setdefault("WANDB_MODE", "offline")
             self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(out_dir),
-                                    config=config_dict, resume="allow")
+                                    config=config_dict, id=wandb_run_id(out_dir, fresh=start_step == 0),
+                                    resume="allow")
         if cfg.progress:
             self.progress = _Progress(cfg.steps, start_step)
 
@@ -95,6 +96,17 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def wandb_run_id(out_dir: Path, fresh: bool) -> str:
+    """The wandb run of this run folder: made when the run starts (step 0) and kept in
+    out_dir/wandb_run_id, so that every resume logs into the same wandb run."""
+    import uuid
+
+    path = out_dir / "wandb_run_id"
+    if fresh or not path.is_file():
+        path.write_text(uuid.uuid4().hex[:16])
+    return path.read_text().strip()
 
 
 def format_line(step: int, m: dict) -> str:

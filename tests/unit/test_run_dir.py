@@ -155,3 +155,28 @@ def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
             stop.restore()
     assert "Ctrl-C" not in capfd.readouterr().err
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_logger_asked_for_but_not_installed_is_named_before_the_start(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from megatron_rl.trainer.loop import validate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb")
+                        else real(name, *a))
+    for flag in ("tensorboard", "wandb"):
+        with pytest.raises(ValueError, match=rf"trainer.{flag}=true needs the {flag} package.*\.\[loggers\]"):
+            validate(job(tmp_path, f"trainer.{flag}=true"))
+    assert cli.main(["dry-run", "tiny_cpu", "trainer.wandb=true"]) == 2
+    assert "pip install -e '.[loggers]'" in capsys.readouterr().err
+    validate(job(tmp_path))  # neither asked: nothing needed
+
+
+def test_every_resume_logs_into_the_same_wandb_run(tmp_path):
+    from megatron_rl.trainer.metrics import wandb_run_id
+
+    first = wandb_run_id(tmp_path, fresh=True)
+    assert wandb_run_id(tmp_path, fresh=False) == wandb_run_id(tmp_path, fresh=False) == first
+    again = wandb_run_id(tmp_path, fresh=True)  # a run started over in the folder: a new wandb run
+    assert again != first and wandb_run_id(tmp_path, fresh=False) == again
