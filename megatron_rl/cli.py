@@ -141,8 +141,56 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+COMMAND_HELP = {
+    "train": """usage: megatron-rl train RECIPE [key=value ...]
+
+The RL trainer (one process; under torchrun / srun every rank runs it). RECIPE is recipes/RECIPE.yaml;
+overrides are Hydra's (algorithm=cispo, optim.lr=1e-4, trainer.out_dir=runs/x, parallel.tp=2, ...);
+`megatron-rl dry-run RECIPE [key=value ...]` prints the composed config and checks it without starting
+anything.
+
+The run folder (trainer.out_dir, default runs/<recipe name>) holds one run: launched again it resumes
+from its newest checkpoint; a finished run has nothing to do; a launch whose configuration differs
+in more than how the run is operated is refused with the differences listed (its own trainer.out_dir,
+trainer.resume=false to start over, or trainer.allow_config_change=true). Ctrl-C, SIGTERM and SIGUSR1
+stop after the step in progress with a checkpoint.
+
+recipes: {recipes}""",
+    "train-lm": """usage: megatron-rl train-lm RECIPE [key=value ...]
+
+Supervised warm-up (no RL) of a tiny model on the synthetic task (e.g. tiny_lm_cpu); its checkpoint
+exports as a train run's does.""",
+    "dry-run": """usage: megatron-rl dry-run RECIPE [key=value ...] [--world-size N] [--command train|train-lm]
+                           [--gpus-per-node N] [--rollout-nodes NAME=ADDR,...] [--rollout-port P]
+                           [--rollout-args='...']
+
+Validate without launching anything: the config (typos name the valid keys), the algorithm's
+arguments and registry names, the model path, every data row, the learner layout against the
+model's shape (heads, KV heads and MLP width vs TP, layers vs PP and VPP, experts vs EP), where the
+SGLang servers go; then print the config and the layout. `megatron-rl --help` lists the launcher
+options.
+
+recipes: {recipes}""",
+    "demo": """usage: megatron-rl demo [key=value ...]
+
+The embedded default: `train tiny_cpu` (RL from random weights on this CPU, a few minutes).""",
+    "plot": """usage: megatron-rl plot RUN_DIR
+
+RUN_DIR/metrics.jsonl -> RUN_DIR/curves.png.""",
+}
+
+
+def _command_help(command: str) -> str:
+    from megatron_rl.config.load import available_recipes
+
+    return COMMAND_HELP[command].format(recipes=", ".join(available_recipes()))
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in COMMAND_HELP and {"-h", "--help"} & set(argv[1:]):
+        print(_command_help(argv[0]))
+        return 0
     # Before anything imports megatron-core: its import-time notices collapse into one line.
     if "--verbose" in argv:  # any command; inherited by every process it starts (MRL_VERBOSE)
         argv.remove("--verbose")

@@ -59,6 +59,7 @@ class MetricsLogger:
             self.wandb = wandb.init(project=cfg.wandb_project, name=run_name, dir=str(out_dir),
                                     config=config_dict, id=wandb_run_id(out_dir, fresh=start_step == 0),
                                     resume="allow")
+        self.total, self.clock = cfg.steps, _Clock(cfg.steps, start_step)
         if cfg.progress:
             self.progress = _Progress(cfg.steps, start_step)
 
@@ -73,10 +74,11 @@ class MetricsLogger:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        line = format_line(step, metrics, self.total, self.clock.eta(step)) if step >= 0 else format_line(step, metrics)
         if self.progress is not None:
-            self.progress.update(step, metrics)
+            self.progress.update(step, metrics, line)
         else:
-            print(format_line(step, metrics), flush=True)
+            print(line, flush=True)
 
     def message(self, text: str) -> None:
         if not self.enabled:
@@ -109,12 +111,36 @@ def wandb_run_id(out_dir: Path, fresh: bool) -> str:
     return path.read_text().strip()
 
 
-def format_line(step: int, m: dict) -> str:
-    parts = [f"step {step:4d}"]
+def format_line(step: int, m: dict, total: Optional[int] = None, eta_s: Optional[float] = None) -> str:
+    """One step's line: `step  12/60  accuracy 0.41 ... eta 2m10s` (total and eta when known)."""
+    parts = [f"step {step:4d}" + (f"/{total}" if total else "")]
     for k in HEADLINE + tuple(k for k in m if k.startswith("eval/")):
         if k in m:
             parts.append(f"{k.split('/')[-1] if k.startswith(('rollout/', 'time/')) else k} {m[k]:.3f}")
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
     return "  ".join(parts)
+
+
+def format_duration(s: float) -> str:
+    s = max(0, int(round(s)))
+    h, m, sec = s // 3600, s % 3600 // 60, s % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+
+
+class _Clock:
+    """Remaining time from this launch's own pace (a resumed run's earlier steps do not count)."""
+
+    def __init__(self, total: int, start: int):
+        import time
+
+        self.total, self.start, self.t0, self.now = total, start, time.monotonic(), time.monotonic
+
+    def eta(self, step: int) -> Optional[float]:
+        done = step + 1 - self.start
+        if done <= 0:
+            return None
+        return (self.now() - self.t0) / done * max(0, self.total - step - 1)
 
 
 class _Progress:
@@ -134,8 +160,7 @@ class _Progress:
             self.task = self.bar.add_task("", total=total, completed=start)
             self.bar.start()
 
-    def update(self, step: int, m: dict) -> None:
-        line = format_line(step, m)
+    def update(self, step: int, m: dict, line: str) -> None:
         if self.bar is None:
             self.console.print(line, highlight=False, soft_wrap=True)
             return

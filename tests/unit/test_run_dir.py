@@ -180,3 +180,31 @@ def test_every_resume_logs_into_the_same_wandb_run(tmp_path):
     assert wandb_run_id(tmp_path, fresh=False) == wandb_run_id(tmp_path, fresh=False) == first
     again = wandb_run_id(tmp_path, fresh=True)  # a run started over in the folder: a new wandb run
     assert again != first and wandb_run_id(tmp_path, fresh=False) == again
+
+
+def test_the_plain_step_line_says_where_the_run_is_and_when_it_ends(tmp_path, capsys, monkeypatch):
+    from megatron_rl.config.schema import TrainerConfig
+    from megatron_rl.trainer.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path, TrainerConfig(progress=False, steps=60), enabled=True, start_step=10, run_name="t")
+    t = [100.0]
+    log.clock.now = lambda: t[0]
+    log.clock.t0 = 100.0
+    log.log(-1, {"eval/mean@4": 0.5})
+    t[0] = 130.0  # this launch: 3 steps (10, 11, 12) in 30 s; 47 steps to go at 10 s each
+    log.log(12, {"rollout/accuracy": 0.25})
+    log.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("step   -1  ") and "eta" not in lines[0]
+    assert lines[1].startswith("step   12/60  accuracy 0.250") and lines[1].endswith("eta 7m50s")
+
+
+def test_each_command_has_its_own_help(capsys):
+    for command, first in (("train", "usage: megatron-rl train RECIPE"), ("dry-run", "usage: megatron-rl dry-run"),
+                           ("demo", "usage: megatron-rl demo"), ("plot", "usage: megatron-rl plot RUN_DIR"),
+                           ("train-lm", "usage: megatron-rl train-lm")):
+        assert cli.main([command, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(first), out[:200]
+    assert cli.main(["train", "tiny_cpu", "-h"]) == 0
+    assert "tiny_moe_cpu_r3" in capsys.readouterr().out  # the recipes are listed
