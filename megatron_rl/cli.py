@@ -36,22 +36,31 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     from megatron_rl.rollout.placement import layout_report
 
     from megatron_rl.trainer.loop import validate
-    from megatron_rl.trainer.prompts import check_data_files, check_model_path, load_examples
+    from megatron_rl.trainer.prompts import check_data_files, load_examples
 
     cfg = load_config(recipe, overrides)
     job = to_object(cfg)
     # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
     world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
-    check_model_path(job.model)
+    from megatron_rl.models.hub import resolve_model_paths
     from megatron_rl.models.layout import check_layout
+
+    resolve_model_paths(job)  # local folders, or hub ids through the hub cache
 
     check_layout(job.model, job.parallel)  # heads / KV heads / MLP vs TP, layers vs PP and VPP, experts vs EP
     sizes = layout_sizes(job.parallel, world_size)
     validate(job)
-    if job.reward_model.enabled and job.reward_model.hf_path:
-        check_model_path(job.reward_model, "reward_model.hf_path")
-    if job.algorithm.advantage == "gae" and job.critic.hf_path:
-        check_model_path(job.critic, "critic.hf_path")
+    if command == "train":  # the run folder: a resume of another experiment fails here, not after the queue
+        from megatron_rl.trainer.run_dir import check_resume, nothing_to_do
+
+        if job.model.hf_path is None and job.model.base.sft_steps > 0:
+            from megatron_rl.models.base import base_dir
+
+            job.model.hf_path = str(base_dir(job) / "hf")  # where `train` will find the cached base
+        resume = check_resume(job)
+        idle = nothing_to_do(job, resume)
+        run_folder = (f"run folder: {job.trainer.out_dir} resumes {resume.checkpoint.name}" if resume.checkpoint
+                      else f"run folder: {job.trainer.out_dir} starts at step 0")
     check_data_files(job.data)
     if job.data.source == "files":  # read every row now: a bad row fails here, not mid-run
         n_train = len(load_examples(job.data, "train"))
@@ -67,6 +76,8 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     print(f"hardware: {job.hardware}")
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
+    if command == "train":
+        print(idle or run_folder)
     return 0
 
 

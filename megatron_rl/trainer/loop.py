@@ -799,6 +799,9 @@ class Trainer:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Entry point for every learner rank (torchrun / srun / one process)."""
+    from megatron_rl.models.hub import resolve_model_paths
+
+    resolve_model_paths(cfg)  # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
     if cfg.model.hf_path is None and cfg.model.base.sft_steps > 0:
         from megatron_rl.models.base import ensure_base_model
 

@@ -49,13 +49,6 @@ def check_data_files(data: DataConfig) -> None:
             raise FileNotFoundError(f"dataset {f} does not exist (data.train_files / data.eval_files)")
 
 
-def check_model_path(model, key: str = "model.hf_path") -> None:
-    """Fail fast when the configured HF checkpoint is not there (no hub: paths only)."""
-    if model.hf_path and not (Path(model.hf_path) / "config.json").exists():
-        raise FileNotFoundError(f"{key}={model.hf_path}: no HF checkpoint there (config.json "
-                                f"missing); set MRL_MODELS or {key}")
-
-
 def tokenize(examples: list[PromptExample], tokenizer) -> list[Prompt]:
     return [Prompt(tuple(render_prompt(tokenizer, e.messages)), e.answer, e.origin) for e in examples]
 

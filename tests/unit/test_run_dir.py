@@ -208,3 +208,17 @@ def test_each_command_has_its_own_help(capsys):
         assert out.startswith(first), out[:200]
     assert cli.main(["train", "tiny_cpu", "-h"]) == 0
     assert "tiny_moe_cpu_r3" in capsys.readouterr().out  # the recipes are listed
+
+
+def test_dry_run_checks_the_run_folder_before_a_launcher_starts_anything(tmp_path, capsys):
+    out = tmp_path / "tiny_cpu"
+    assert cli.main(["dry-run", "tiny_cpu", f"trainer.out_dir={out}"]) == 0
+    assert f"run folder: {out} starts at step 0" in capsys.readouterr().out
+    finished_run(out, 60)
+    assert cli.main(["dry-run", "tiny_cpu", f"trainer.out_dir={out}", "trainer.steps=100"]) == 0
+    assert f"run folder: {out} resumes step_00000060" in capsys.readouterr().out
+    assert cli.main(["dry-run", "tiny_cpu", f"trainer.out_dir={out}"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert cli.main(["dry-run", "tiny_cpu", f"trainer.out_dir={out}", "rollout.server_tp=2",
+                     "rollout.server_urls=[http://a:1]"]) == 2
+    assert "rollout.server_tp: 1 -> 2" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""`model.hf_path` (and `reward_model.hf_path`, `critic.hf_path`): a local folder or a hub model id.
+
+A value that is a folder holding config.json is used as it is. Otherwise a value shaped like a hub
+id, `org/name` or `org/name@revision`, is resolved through huggingface_hub's `snapshot_download`
+into its cache (HF_HUB_CACHE / HF_HOME, as the hub library lays it out) and the run uses that
+snapshot folder; with HF_HUB_OFFLINE=1 (compute nodes without internet) only the cache is read,
+so a model fetched once on a login node serves every job. Only what a run reads is fetched: the
+configs, tokenizer files and safetensors weights.
+
+Every rank resolves for itself (huggingface_hub locks the cache), before anything is built: the
+run's config.yaml records the snapshot folder, so a resume with another revision of the model is a
+different experiment (trainer/run_dir.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+# What a run reads: model and generation configs, tokenizer files, safetensors weights.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def is_hub_id(value: str) -> bool:
+    return bool(_REPO_ID.match(value)) and ".." not in value
+
+
+def resolve(value: str, key: str = "model.hf_path") -> str:
+    """A local checkpoint folder for `value` (a folder, or a hub id resolved into the hub cache)."""
+    path = Path(value).expanduser()
+    if (path / "config.json").is_file():
+        return str(path)
+    if path.exists() or not is_hub_id(value):
+        raise FileNotFoundError(f"{key}={value}: no Hugging Face checkpoint there (no config.json); give a "
+                                f"checkpoint folder or a hub model id such as Qwen/Qwen3-0.6B")
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = value.partition("@")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        local = snapshot_download(repo_id=repo_id, revision=revision or None, allow_patterns=ALLOW_PATTERNS,
+                                  local_files_only=offline, cache_dir=os.environ.get("HF_HUB_CACHE"))
+    except Exception as e:  # noqa: BLE001 - the hub library's errors vary by cause; each is stated
+        where = ("the hub cache only (HF_HUB_OFFLINE=1): fetch it once where the hub is reachable, e.g. "
+                 f"`huggingface-cli download {repo_id}`, with the same HF_HOME / HF_HUB_CACHE"
+                 if offline else "the Hugging Face hub")
+        raise FileNotFoundError(f"{key}={value}: no checkpoint folder there (config.json), and not found in {where} "
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not (Path(local) / "config.json").is_file():
+        raise FileNotFoundError(f"{key}={value}: the hub snapshot {local} has no config.json")
+    return local
+
+
+def resolve_model_paths(job) -> None:
+    """Resolve every checkpoint path the job reads, in place (dry-run and `train`, before building)."""
+    if job.model.hf_path:
+        job.model.hf_path = resolve(job.model.hf_path)
+    if job.reward_model.enabled and job.reward_model.hf_path:
+        job.reward_model.hf_path = resolve(job.reward_model.hf_path, "reward_model.hf_path")
+    if job.algorithm.advantage == "gae" and job.critic.hf_path:
+        job.critic.hf_path = resolve(job.critic.hf_path, "critic.hf_path")
