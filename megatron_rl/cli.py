@@ -14,6 +14,8 @@ Commands:
   eval MODEL [OVR]         mean@k / pass@k of a HF folder, or of RUN_DIR's newest checkpoint
                            (exported to RUN_DIR/export/step_N), on served samples; no training
   compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
+  data NAME... [--out DIR] DAPO-Math-17k, AIME 2024/2025, GSM8K, MATH-500 from the hub -> the recipes'
+                           Parquet layout with DAPO's prompt template (data/sources.py)
 
 Known upstream notices (Transformer Engine / Apex fallbacks, ...) collapse into one line
 (megatron_rl/quiet.py); `--verbose` anywhere on the line, or MRL_VERBOSE=1, shows everything.
@@ -213,6 +215,14 @@ def _main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError, FileNotFoundError, FileExistsError) as e:
             print(f"megatron-rl: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["data"]:  # its own options: megatron-rl data --help
+        from megatron_rl.data.sources import main as data
+
+        try:
+            return data(argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            print(f"megatron-rl: error: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["compare"]:  # its own options: megatron-rl compare --help
         from megatron_rl.trainer.compare import main as compare
 
@@ -224,7 +234,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["demo", "train", "train-lm", "dry-run", "plot", "compare",
-                                            "export", "eval"])
+                                            "export", "eval", "data"])
     parser.add_argument("recipe", nargs="?", help="recipe name (recipes/NAME.yaml), or RUN_DIR for plot")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel.tp=2")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 0)) or None,
