@@ -55,12 +55,16 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     if command == "train":  # the run folder: a resume of another experiment fails here, not after the queue
         from megatron_rl.trainer.run_dir import check_resume, nothing_to_do
 
+        probe = job
         if job.model.hf_path is None and job.model.base.sft_steps > 0:
+            import copy
+
             from megatron_rl.models.base import base_dir
 
-            job.model.hf_path = str(base_dir(job) / "hf")  # where `train` will find the cached base
-        resume = check_resume(job)
-        idle = nothing_to_do(job, resume)
+            probe = copy.deepcopy(job)
+            probe.model.hf_path = str(base_dir(job) / "hf")  # where `train` will find the cached base
+        resume = check_resume(probe)
+        idle = nothing_to_do(probe, resume)
         run_folder = (f"run folder: {job.trainer.out_dir} resumes {resume.checkpoint.name}" if resume.checkpoint
                       else f"run folder: {job.trainer.out_dir} starts at step 0")
     check_data_files(job.data)

@@ -26,7 +26,8 @@ cache only, e.g. filled once on a login node with `huggingface-cli download --re
 | dapo-math-17k   | BytedTsinghua-SIA/DAPO-Math-17k  | prompt, reward_model.ground_truth   | 17,398 unique prompts (the file repeats each ~100x; kept once) |
 | aime-2024       | HuggingFaceH4/aime_2024          | problem, answer (id)                | 30 |
 | aime-2025       | opencompass/AIME2025             | question, answer (I and II)         | 30 |
-| gsm8k           | openai/gsm8k (main, test split)  | question, answer after "####"       | 1,319 |
+| gsm8k-train     | openai/gsm8k (main, train split) | question, answer after "####"       | 7,473 |
+| gsm8k-test      | openai/gsm8k (main, test split)  | question, answer after "####"       | 1,319 |
 | math-500        | HuggingFaceH4/MATH-500           | problem, answer (unique_id)         | 500 |
 
 A source row without its problem or answer is an error naming the file, row and field; nothing is
@@ -95,8 +96,10 @@ SOURCES: dict[str, Source] = {
                         lambda r, w: (_text(r, "problem", w), _text(r, "answer", w), r.get("id"))),
     "aime-2025": Source("opencompass/AIME2025", ("*.jsonl", "*.parquet"),
                         lambda r, w: (_text(r, "question", w), _text(r, "answer", w), None)),
-    "gsm8k": Source("openai/gsm8k", ("main/test-*.parquet",),
-                    lambda r, w: (_text(r, "question", w), _gsm8k_answer(_text(r, "answer", w), w), None)),
+    "gsm8k-train": Source("openai/gsm8k", ("main/train-*.parquet",),
+                          lambda r, w: (_text(r, "question", w), _gsm8k_answer(_text(r, "answer", w), w), None)),
+    "gsm8k-test": Source("openai/gsm8k", ("main/test-*.parquet",),
+                         lambda r, w: (_text(r, "question", w), _gsm8k_answer(_text(r, "answer", w), w), None)),
     "math-500": Source("HuggingFaceH4/MATH-500", ("test.jsonl", "*.parquet"),
                        lambda r, w: (_text(r, "problem", w), _text(r, "answer", w), r.get("unique_id"))),
 }

@@ -55,7 +55,7 @@ def hub(tmp_path, monkeypatch):
     _parquet(_snapshot(cache, "openai/gsm8k") / "main" / "test-00000-of-00001.parquet",
              [{"question": "Tom has 1,200 apples and eats 3. How many?", "answer": "1200-3=1197\n#### 1,197"}])
     _parquet(_snapshot(cache, "openai/gsm8k") / "main" / "train-00000-of-00001.parquet",
-             [{"question": "train only", "answer": "#### 1"}])
+             [{"question": "Ann has 2 pens and buys 1,000. How many?", "answer": "2+1000=1002\n#### 1,002"}])
     _jsonl(_snapshot(cache, "HuggingFaceH4/MATH-500") / "test.jsonl",
            [{"problem": "Simplify $\\sqrt{16}$.", "solution": "4", "answer": "4", "subject": "Algebra", "level": 1,
              "unique_id": "test/algebra/1.json"}])
@@ -70,7 +70,8 @@ def test_every_set_in_the_recipes_layout(hub, tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "dapo-math-17k: 2 prompts (4 repeated rows kept once)" in printed
     expect = {"aime-2024": [("Find x if 2x=10.", "5")], "aime-2025": [("Compute 6*7.", "42"), ("Compute 2^10.", "1024")],
-              "gsm8k": [("Tom has 1,200 apples and eats 3. How many?", "1197")],
+              "gsm8k-test": [("Tom has 1,200 apples and eats 3. How many?", "1197")],
+              "gsm8k-train": [("Ann has 2 pens and buys 1,000. How many?", "1002")],
               "math-500": [("Simplify $\\sqrt{16}$.", "4")]}
     for name, pairs in expect.items():
         rows = pq.read_table(out / f"{name}.parquet").to_pylist()

@@ -171,7 +171,7 @@ def paper_inputs(tmp_path_factory):
     rows = [{"data_source": "math", "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
              "reward_model": {"ground_truth": str(2 * i), "style": "rule"}} for i in range(5)]
     (root / "data").mkdir()
-    for name in ("dapo-math-17k", "aime-2024", "aime-2025"):
+    for name in ("dapo-math-17k", "aime-2024", "aime-2025", "gsm8k-train", "gsm8k-test"):
         pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
     pq.write_table(pa.Table.from_pylist([{"prompt": r["prompt"]} for r in rows]),
                    root / "data" / "ultrafeedback-prompts.parquet")
@@ -185,6 +185,15 @@ def paper_inputs(tmp_path_factory):
                         ("Qwen3-4B-Instruct-2507", qwen3_4b), ("Skywork-Reward-V2-Qwen3-4B", qwen3_4b)):
         (root / "models" / name).mkdir(parents=True)
         (root / "models" / name / "config.json").write_text(json.dumps(shape))
+    # Hub ids (model.hf_path=Qwen/...): a hub cache laid out as huggingface_hub lays it out.
+    commit = "a" * 40
+    for repo, shape in (("Qwen/Qwen3-1.7B-Base", {"num_hidden_layers": 28, "num_attention_heads": 16,
+                                                  "num_key_value_heads": 8, "intermediate_size": 6144}),):
+        cached = root / "hub" / f"models--{repo.replace('/', '--')}"
+        (cached / "snapshots" / commit).mkdir(parents=True)
+        (cached / "snapshots" / commit / "config.json").write_text(json.dumps(shape))
+        (cached / "refs").mkdir()
+        (cached / "refs" / "main").write_text(commit)
     return root
 
 
@@ -196,13 +205,15 @@ def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
 
     monkeypatch.setenv("MRL_DATA", str(paper_inputs / "data"))
     monkeypatch.setenv("MRL_MODELS", str(paper_inputs / "models"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(paper_inputs / "hub"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["dry-run", recipe]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     job = to_object(load_config(recipe))
     assert f"hardware: {job.hardware}" in out  # every recipe names what it is meant for
     if job.data.source == "files":
-        assert f"data: 5 training prompts, {10 if job.data.eval_files else 0} eval prompts" in out
+        assert f"data: 5 training prompts, {5 * len(job.data.eval_files)} eval prompts" in out
     if job.parallel.world_size:
         assert f"layout for world size {job.parallel.world_size}:" in out
 
@@ -238,12 +249,15 @@ def test_dry_run_refuses_what_would_fail_after_the_launch(recipe, override, mess
             check_layout(job.model, job.parallel)  # what `train` calls before init_distributed
 
 
+NOT_PAPER_RECIPES = {"dppo_binary_tv_qwen3_1p7b_base_gsm8k"}  # GPU recipes that are not the DPPO paper's runs
+
+
 def test_paper_recipes_keep_the_papers_settings():
     """DPPO Table 1 in every GPU math recipe; the trust-region constants of the named method. The
     RLHF recipe (the paper's reward-model experiment): the reward model is the only reward."""
     for recipe in available_recipes():
         job = to_object(load_config(recipe))
-        if "cpu" in job.hardware:
+        if "cpu" in job.hardware or recipe in NOT_PAPER_RECIPES:
             continue
         if "rlhf" in recipe:
             rm = job.reward_model
