@@ -1,8 +1,10 @@
 """`megatron-rl plot RUN_DIR`: a run's metrics.jsonl as PNG curves (one figure, several panels).
 
-Panels: rollout reward / accuracy and eval mean@k / pass@k; policy entropy; train-vs-rollout
-mismatch (mean |log π − log μ|); trust-region masked fractions by μ bucket and advantage sign;
-step time by stage. `plot_compare` overlays several runs (e.g. algorithms x seeds) by label.
+Panels, two rows: train reward / accuracy; eval mean@k / pass@k; policy entropy; the
+train-vs-rollout mismatch proper (mean |log π − log μ| of the step's first mini-batch, on the
+weights μ came from); |log π − log μ| over all the step's mini-batches (mostly the policy's own
+movement within the step); trust-region masked fractions by μ bucket and advantage sign; step time
+by stage. `plot_compare` overlays several runs (e.g. algorithms x seeds) by label.
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ from typing import Sequence
 from megatron_rl.trainer.metrics import read_metrics
 
 PANELS = (
-    ("reward and accuracy", ("rollout/accuracy", "rollout/reward_mean"), "eval/"),
+    ("train reward and accuracy", ("rollout/accuracy", "rollout/reward_mean"), None),
+    ("eval", (), "eval/"),
     ("entropy", ("entropy/mean",), None),
-    ("mismatch |log pi - log mu|", ("mismatch/train_vs_rollout_abs_logp", "abs_logp_diff/mean",
-                                     "mismatch/old_vs_rollout_abs_logp"), None),
+    # The engine-vs-learner mismatch proper: the step's first mini-batch, on the weights μ came from.
+    ("train-vs-rollout mismatch |log pi - log mu|", ("mismatch/train_vs_rollout_abs_logp",
+                                                      "mismatch/old_vs_rollout_abs_logp"), None),
+    # Over all mini-batches: mostly the policy moving away from μ within the step, plus the mismatch.
+    ("|log pi - log mu| over the step's mini-batches", ("abs_logp_diff/mean",), None),
     ("masked fraction", ("masked_frac", "masked_frac/mu_lt_0.1", "masked_frac/mu_0.1_0.9",
                          "masked_frac/mu_gt_0.9", "masked_frac/adv_pos", "masked_frac/adv_neg"), None),
     ("step time (s)", ("time/step", "time/generate", "time/train", "time/weight_sync", "time/old_logp", "time/ref_logp"), None),
 )
+COLUMNS = 4  # panels per row: two rows of legible panels, not one strip
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -38,7 +45,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     out = Path(out) if out else run_dir / "curves.png"
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    rows_n = -(-len(PANELS) // COLUMNS)
+    fig, axes = plt.subplots(rows_n, COLUMNS, figsize=(4.6 * COLUMNS, 3.6 * rows_n), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(PANELS):]:
+        ax.set_visible(False)
     for ax, (title, keys, prefix) in zip(axes, PANELS):
         keys = list(keys) + sorted({k for r in rows for k in r if prefix and k.startswith(prefix)})
         for k in keys:
@@ -53,7 +64,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.lines:
-            ax.legend(fontsize=6)
+            ax.legend(fontsize=7)
     fig.suptitle(run_dir.name, fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

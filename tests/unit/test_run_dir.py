@@ -222,3 +222,19 @@ def test_dry_run_checks_the_run_folder_before_a_launcher_starts_anything(tmp_pat
     assert cli.main(["dry-run", "tiny_cpu", f"trainer.out_dir={out}", "rollout.server_tp=2",
                      "rollout.server_urls=[http://a:1]"]) == 2
     assert "rollout.server_tp: 1 -> 2" in capsys.readouterr().err
+
+
+def test_curves_are_two_rows_and_the_mismatch_stands_alone(tmp_path):
+    import matplotlib.image
+
+    from megatron_rl.trainer.plot import PANELS, plot_run
+
+    rows = [{"step": -1, "eval/mean@4": 0.1}] + [
+        {"step": s, "rollout/accuracy": s / 10, "eval/mean@4": s / 10, "entropy/mean": 1.0,
+         "mismatch/train_vs_rollout_abs_logp": 0.002, "abs_logp_diff/mean": 0.15, "masked_frac": 0.01,
+         "time/step": 3.0} for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    height, width = matplotlib.image.imread(plot_run(tmp_path)).shape[:2]
+    assert 0.3 < height / width < 0.7  # two rows of four, not a 1 x 5 strip (0.16)
+    mismatch = next(keys for title, keys, _ in PANELS if title.startswith("train-vs-rollout"))
+    assert "abs_logp_diff/mean" not in mismatch  # policy drift over the mini-batches is its own panel
