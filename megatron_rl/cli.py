@@ -78,13 +78,41 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
         servers = ["rollout servers: none (trainer.mode=train_only)"]
     else:
         servers = layout_report(job, **rollout)
-    print(OmegaConf.to_yaml(cfg))
+    shown = OmegaConf.to_container(cfg)
+    unused = unused_blocks(job, command)
+    for key in unused:
+        node = shown
+        *parents, last = key.split(".")
+        for part in parents:
+            node = node[part]
+        node.pop(last, None)
+    print(OmegaConf.to_yaml(OmegaConf.create(shown)))
+    if unused:
+        print(f"(not used by this run, not shown: {', '.join(unused)})")
     print(f"hardware: {job.hardware}")
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if command == "train":
         print(idle or run_folder)
     return 0
+
+
+def unused_blocks(job, command: str) -> list[str]:
+    """Config blocks this run does not read (the dry-run leaves them out of its printout)."""
+    out = []
+    if job.model.hf_path:
+        out += ["model.tiny", "model.base"]
+    elif job.model.base.sft_steps <= 0:
+        out.append("model.base")
+    if command != "train-lm":
+        out.append("train")
+    if job.algorithm.advantage != "gae":
+        out.append("critic")
+    if not job.reward_model.enabled:
+        out.append("reward_model")
+    if job.data.source != "synthetic":
+        out.append("data.synthetic")
+    return out
 
 
 def _train(recipe: str, overrides: list[str]) -> int:

@@ -238,3 +238,13 @@ def test_curves_are_two_rows_and_the_mismatch_stands_alone(tmp_path):
     assert 0.3 < height / width < 0.7  # two rows of four, not a 1 x 5 strip (0.16)
     mismatch = next(keys for title, keys, _ in PANELS if title.startswith("train-vs-rollout"))
     assert "abs_logp_diff/mean" not in mismatch  # policy drift over the mini-batches is its own panel
+
+
+def test_dry_run_prints_only_what_the_run_reads(capsys):
+    assert cli.main(["dry-run", "tiny_cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "(not used by this run, not shown: model.base, train, critic, reward_model)" in out
+    assert "\ncritic:" not in out and "\nreward_model:" not in out and "tiny:" in out
+    assert cli.main(["dry-run", "ppo_gae_tiny_cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "\ncritic:" in out and "\nreward_model:" in out  # PPO's critic and reward model are shown
