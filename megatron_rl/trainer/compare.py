@@ -74,6 +74,12 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return bool(rows) and rows[-1]["step"] >= steps - 1
 
 
+def default_out(recipe: str) -> Path:
+    """A comparison's folder when --out is not given: one per recipe, so that comparisons of two
+    recipes never meet (each would take the other's finished runs for its own)."""
+    return Path("runs/compare") / recipe
+
+
 def reusable(run_dir: Path, steps: int, wanted: dict) -> tuple[bool, str]:
     """(keep it, why not): a run folder is this comparison's run only if it finished and its newest
     checkpoint was written by exactly the configuration this comparison would run now (every
@@ -151,7 +157,7 @@ def main(argv: list[str]) -> int:
     algorithms = args.algorithms if args.algorithms is not None else ("" if args.method else DEFAULT_ALGORITHMS)
     methods = parse_methods(algorithms, args.method)
     shared = list(args.overrides) + ([] if args.advantage == "config" else [f"algorithm.advantage={args.advantage}"])
-    out = Path(args.out or f"runs/compare/{args.recipe}")
+    out = Path(args.out) if args.out else default_out(args.recipe)
     # Validate every combination before starting anything. A top-K divergence needs the engine's
     # top-K log-probs: such a method gets rollout.top_k_logprobs=20 unless the recipe asks for some.
     routes = False  # the servers return routed experts when any method replays them (R3)

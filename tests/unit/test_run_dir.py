@@ -133,6 +133,9 @@ def test_compare_keeps_only_runs_of_its_own_configuration(tmp_path):
     keep, why = reusable(run, 30, as_dict(job(run, "algorithm=dppo_binary_tv", "trainer.steps=30")))
     assert not keep and "trainer.steps: 40 -> 30" in why  # its metrics have 40 steps, not the 30 asked
     assert reusable(tmp_path / "nothing", 40, same) == (False, "not finished")
+    from megatron_rl.trainer.compare import default_out
+
+    assert default_out("tiny_cpu") != default_out("testbed_cpu") and default_out("testbed_cpu").name == "testbed_cpu"
 
 
 def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
