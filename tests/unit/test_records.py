@@ -12,6 +12,7 @@ answers are checked against HF in tests/e2e/test_sglang_rollout.py.
 from __future__ import annotations
 
 import asyncio
+import time
 import base64
 
 import numpy as np
@@ -634,3 +635,24 @@ def test_without_continue_an_aborted_sample_restarts():
     assert out[0][1].num_response_tokens == 7 and len(client.retry_events) == 1
     with pytest.raises(ValueError, match="continue_aborted needs eos_token_ids"):
         RolloutClient(["http://x"], continue_aborted=True)
+
+
+def test_requests_past_every_slot_spread_over_the_servers():
+    """4 servers x 2 slots, 40 samples: the 32 that find no free slot wait at the server with the
+    fewest requests assigned (waiting or in flight), not all at the first URL."""
+    servers = [FakeSGLang(delay=0.2) for _ in range(4)]
+
+    async def go():
+        async with servers[0], servers[1], servers[2], servers[3]:
+            async with RolloutClient([s.url for s in servers], max_inflight_per_server=2,
+                                     backoff_initial=0.05) as client:
+                start = time.monotonic()
+                out = await client.generate(PROMPTS, SamplingParams(max_new_tokens=7), n=20)
+                return out, time.monotonic() - start, client
+
+    out, wall, client = asyncio.run(go())
+    assert sum(len(row) for row in out) == 40
+    assert [len(s.requests) for s in servers] == [10, 10, 10, 10]  # was 34/2/2/2
+    assert all(s.max_inflight == 2 for s in servers)
+    assert not any(client._assigned.values())  # every attempt given back
+    print(f"40 samples over 4 servers x 2 slots at 0.2 s each: {wall:.2f} s (ideal 1.0 s)")
