@@ -2,7 +2,8 @@
 
 Each patch module has `SUPPORTED` versions and `apply(version=None)`, which refuses any other
 version with a message naming the supported one. The CPU layer for megatron-core is applied
-only where CUDA is absent; the mbridge fixes always (one of them is a correctness bug on GPU).
+only where CUDA is absent; the megatron-core fixes (megatron_fixes.py) and the mbridge fixes always
+(a bug that breaks a GPU run is fixed on every device, so that the CPU tests see it too).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import torch
 
 
 def apply_all() -> None:
-    from patches import mbridge_fixes, megatron_cpu
+    from patches import mbridge_fixes, megatron_cpu, megatron_fixes
     from patches._guard import pinned, require_version
 
     # The learner reaches into megatron-core internals on every device (router replay, the grad
     # finaliser, the pipeline schedules), not only through the CPU layer.
     require_version("megatron-core", pinned("megatron-core"), "megatron_rl")
+    megatron_fixes.apply()  # every device: MoE without TE, checkpoints without a Manager process
     if not torch.cuda.is_available():
         megatron_cpu.apply()
         from patches import device_check

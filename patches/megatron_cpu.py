@@ -211,16 +211,10 @@ def _patch_rng() -> None:
 
 
 def _patch_moe_utils() -> None:
-    from megatron.core.transformer.moe import moe_utils
+    # Not CPU-specific: megatron_fixes.py defines these on every device (a GPU without TE needs it).
+    from patches.megatron_fixes import define_missing_te_names
 
-    for name in (
-        "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
-        "fused_permute_with_probs", "fused_sort_chunks_by_index",
-        "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
-        "fused_unpermute", "te_general_gemm",
-    ):
-        if not hasattr(moe_utils, name):
-            setattr(moe_utils, name, None)
+    define_missing_te_names()
 
 
 def _is_gloo(group) -> bool:

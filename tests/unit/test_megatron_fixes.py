@@ -1,0 +1,74 @@
+"""patches/megatron_fixes.py in a fresh interpreter: MoE routing without Transformer Engine with only
+these fixes applied (not the CPU layer), as a GPU without TE runs it; then, with every patch this
+machine needs, a synchronous checkpoint that spawns no Manager process and reads back equal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from patches import megatron_fixes
+from patches._guard import UnsupportedVersionError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_refuses_unexpected_megatron_core():
+    with pytest.raises(UnsupportedVersionError, match="megatron_fixes.*0.16.1.*0.99"):
+        megatron_fixes.apply(version="0.99")
+
+
+@pytest.mark.slow
+def test_moe_router_without_te_and_a_checkpoint_without_a_manager(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, time, torch, torch.distributed as dist
+        from megatron.core.transformer.moe import moe_utils
+        assert not hasattr(moe_utils, "te_general_gemm")  # TE is absent: upstream leaves it undefined
+        w, x = torch.randn(8, 16, dtype=torch.float64), torch.randn(5, 16, dtype=torch.float64)
+        try:
+            moe_utils.router_gating_linear(x.float(), w.float(), None, torch.float32)
+            raise SystemExit("expected upstream's NameError")
+        except NameError as e:
+            assert "te_general_gemm" in str(e)
+        from patches import megatron_fixes
+        megatron_fixes.apply(); megatron_fixes.apply()  # idempotent
+        x32 = x.float().requires_grad_()
+        out = moe_utils.router_gating_linear(x32, w.float(), None, torch.float32)
+        assert torch.allclose(out.double(), x @ w.T, atol=1e-5), (out, x @ w.T)
+        out.sum().backward()
+        assert torch.allclose(x32.grad.double(), w.sum(0).expand(5, 16), atol=1e-5)
+
+        import patches
+        patches.apply_all()  # on this CPU the checkpoint path also needs the CPU layer (torch.cuda.*)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{_port()}")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from megatron.core import dist_checkpointing, parallel_state as mpu
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        import multiprocessing
+        mpu.initialize_model_parallel()
+        t = torch.randn(64, 64)
+        start = time.monotonic()
+        dist_checkpointing.save({{"w": ShardedTensor.from_rank_offsets("w", t)}}, r"{tmp_path}")
+        first = time.monotonic() - start
+        assert filesystem_async._results_queue is None  # upstream's Manager queue was never made
+        assert not [p for p in multiprocessing.active_children() if "Manager" in type(p).__name__ or "SyncManager" in p.name]
+        loaded = dist_checkpointing.load({{"w": ShardedTensor.from_rank_offsets("w", torch.empty(64, 64))}}, r"{tmp_path}")
+        assert torch.equal(loaded["w"], t)
+        print("OK first save", round(first, 2))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    print(out.stdout.strip())
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
