@@ -527,6 +527,8 @@ class RolloutClient:
                 finally:
                     self._release(url)  # before any back-off: the next pick must not count it
             except _Retryable as e:
+                if self._aborted.is_set():  # abort() cut it (connections close under it): no retry, no "down"
+                    raise GenerationAborted("generation aborted by RolloutClient.abort()") from e
                 errors.append(f"{url}: {e}")
                 if e.server_down and url not in self._down:
                     self._down[url] = time.monotonic()
