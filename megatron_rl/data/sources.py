@@ -105,19 +105,6 @@ SOURCES: dict[str, Source] = {
 }
 
 
-def _snapshot(repo: str, patterns: tuple[str, ...]) -> Path:
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-    try:
-        return Path(snapshot_download(repo_id=repo, repo_type="dataset", allow_patterns=list(patterns),
-                                      local_files_only=offline, cache_dir=os.environ.get("HF_HUB_CACHE")))
-    except Exception as e:  # noqa: BLE001 - stated with its cause
-        where = ("the hub cache (HF_HUB_OFFLINE=1): fetch it once where the hub is reachable, "
-                 f"`huggingface-cli download --repo-type dataset {repo}`" if offline else "the Hugging Face hub")
-        raise FileNotFoundError(f"dataset {repo}: not found in {where} ({type(e).__name__})") from None
-
-
 def _rows(path: Path) -> Iterator[tuple[int, dict]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -152,7 +139,10 @@ def convert(name: str, out_dir: Path, root: Optional[Path] = None) -> tuple[Path
     if name not in SOURCES:
         raise ValueError(f"unknown dataset {name!r}; valid: {', '.join(SOURCES)}")
     src = SOURCES[name]
-    root = root or _snapshot(src.repo, src.patterns)
+    if root is None:
+        from megatron_rl.models.hub import snapshot
+
+        root = snapshot(src.repo, f"dataset {src.repo}", repo_type="dataset", allow_patterns=src.patterns)
     rows, seen, repeats = [], set(), 0
     files = source_files(root, src.patterns)
     for path in files:

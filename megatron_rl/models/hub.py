@@ -17,10 +17,35 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Optional, Sequence
 
 # What a run reads: model and generation configs, tokenizer files, safetensors weights.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE, read at the call (huggingface_hub reads it once, at its import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+
+
+def snapshot(repo_id: str, what: str, revision: Optional[str] = None, repo_type: str = "model",
+             allow_patterns: Sequence[str] = ALLOW_PATTERNS) -> Path:
+    """The local snapshot folder of a hub repo: fetched into the hub cache, or with HF_HUB_OFFLINE=1
+    read from it. FileNotFoundError naming `what` and, offline, the command that fills the cache."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, revision=revision, repo_type=repo_type,
+                                      allow_patterns=list(allow_patterns), local_files_only=offline(),
+                                      cache_dir=os.environ.get("HF_HUB_CACHE")))
+    except Exception as e:  # noqa: BLE001 - the hub library's errors vary by cause; each is stated
+        kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
+        where = ("the hub cache only (HF_HUB_OFFLINE=1): fetch it once where the hub is reachable, e.g. "
+                 f"`huggingface-cli download{kind} {repo_id}`, with the same HF_HOME / HF_HUB_CACHE"
+                 if offline() else "the Hugging Face hub")
+        raise FileNotFoundError(f"{what}: not found in {where} "
+                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def is_hub_id(value: str) -> bool:
@@ -35,22 +60,12 @@ def resolve(value: str, key: str = "model.hf_path") -> str:
     if path.exists() or not is_hub_id(value):
         raise FileNotFoundError(f"{key}={value}: no Hugging Face checkpoint there (no config.json); give a "
                                 f"checkpoint folder or a hub model id such as Qwen/Qwen3-0.6B")
-    from huggingface_hub import snapshot_download
-
     repo_id, _, revision = value.partition("@")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-    try:
-        local = snapshot_download(repo_id=repo_id, revision=revision or None, allow_patterns=ALLOW_PATTERNS,
-                                  local_files_only=offline, cache_dir=os.environ.get("HF_HUB_CACHE"))
-    except Exception as e:  # noqa: BLE001 - the hub library's errors vary by cause; each is stated
-        where = ("the hub cache only (HF_HUB_OFFLINE=1): fetch it once where the hub is reachable, e.g. "
-                 f"`huggingface-cli download {repo_id}`, with the same HF_HOME / HF_HUB_CACHE"
-                 if offline else "the Hugging Face hub")
-        raise FileNotFoundError(f"{key}={value}: no checkpoint folder there (config.json), and not found in {where} "
-                                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    local = snapshot(repo_id, f"{key}={value}: no checkpoint folder there (config.json), and the hub model",
+                     revision or None)
     if not (Path(local) / "config.json").is_file():
         raise FileNotFoundError(f"{key}={value}: the hub snapshot {local} has no config.json")
-    return local
+    return str(local)
 
 
 def resolve_model_paths(job) -> None:

@@ -56,8 +56,9 @@ from megatron_rl.algorithms.advantages import spread_over
 from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_sum
 from megatron_rl.trainer import batch as batching
 from megatron_rl.trainer.batch import RolloutBatch
-from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_rl.trainer.run_dir import check_resume, nothing_to_do, write_checkpoint_config, write_run_config
+from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.trainer.run_dir import (Resume, check_resume, config_text, nothing_to_do, write_checkpoint_config,
+                                         write_run_config)
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
 from megatron_rl.trainer.prompts import PromptStream, load_examples, tokenize
@@ -203,7 +204,9 @@ def validate(cfg: JobConfig) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, ctx: ParallelContext):
+    def __init__(self, cfg: JobConfig, ctx: ParallelContext, resume: Optional[Resume] = None):
+        """`resume`: where the run folder has this run (`check_resume`, done by `train` before
+        anything starts); checked here when not given."""
         from transformers import AutoTokenizer
 
         validate(cfg)
@@ -211,8 +214,9 @@ class Trainer:
         t = cfg.trainer
         self.out_dir = Path(t.out_dir)
         self.rollouts_dir = Path(t.rollouts_dir or self.out_dir / "rollouts")
-        resume = check_resume(cfg)  # the launch checked it already; a config changed since fails here too
+        resume = resume or check_resume(cfg)
         notes = write_run_config(cfg, resume) if ctx.rank == 0 else []
+        self._config_text = config_text(cfg)  # into every checkpoint it writes
         models = build_models(cfg, ctx, self.out_dir)
         self.learner, self.reference, self.critic, self.reward_model = (
             models.policy, models.reference, models.critic, models.reward_model)
@@ -224,7 +228,7 @@ class Trainer:
         self.step, self.weight_version = 0, "0"
         self.feeder = None  # the rollout producer thread (trainer/producer.py), on producer ranks
         self._saved_queue: tuple[Optional[Path], dict] = (None, {})
-        ckpt = latest_checkpoint(self.out_dir) if t.resume else None
+        ckpt = resume.checkpoint
         if ckpt is not None:
             state = load_checkpoint(self.learner, ckpt, others=self._others())
             self.step, self.weight_version = state["step"], state["weight_version"]
@@ -758,7 +762,7 @@ class Trainer:
             if self.producer:
                 write_queue(folder)
             if self.ctx.rank == 0:
-                write_checkpoint_config(self.cfg, folder)
+                write_checkpoint_config(self._config_text, folder)
 
         return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints,
                                others=self._others(), extra=write_extra)
@@ -808,7 +812,8 @@ def train(cfg: JobConfig) -> list[dict]:
         cfg.model.hf_path = str(ensure_base_model(cfg))  # built once, then cached (file-locked)
     # Before anything starts: the run folder holds this run or none (else ResumeMismatch, naming
     # the differences), and a finished run has nothing to do (no model built, no server started).
-    idle = nothing_to_do(cfg, check_resume(cfg))
+    resume = check_resume(cfg)
+    idle = nothing_to_do(cfg, resume)
     if idle is not None:
         if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
             print(idle, flush=True)
@@ -819,4 +824,4 @@ def train(cfg: JobConfig) -> list[dict]:
     ctx = init_distributed(cfg.parallel)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)
-    return Trainer(cfg, ctx).fit()
+    return Trainer(cfg, ctx, resume).fit()

@@ -180,13 +180,18 @@ def write_run_config(cfg, resume: Resume) -> list[str]:
     if resume.operational:
         notes.append("[megatron-rl] resumed with " + "; ".join(resume.operational))
     tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    tmp.write_text(config_text(cfg))
     os.replace(tmp, path)
     return notes
 
 
-def write_checkpoint_config(cfg, folder: Path) -> None:
-    """The configuration that wrote a checkpoint, inside it (rank 0)."""
+def config_text(cfg) -> str:
+    """The run's configuration as config.yaml holds it (made once per run: it does not change)."""
     from omegaconf import OmegaConf
 
-    (folder / CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def write_checkpoint_config(text: str, folder: Path) -> None:
+    """The configuration that wrote a checkpoint (`config_text`), inside it (rank 0)."""
+    (folder / CONFIG).write_text(text)

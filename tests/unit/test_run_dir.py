@@ -18,8 +18,8 @@ import pytest
 from megatron_rl import cli
 from megatron_rl.config.load import load_config, to_object
 from megatron_rl.trainer.compare import reusable
-from megatron_rl.trainer.run_dir import (ResumeMismatch, as_dict, check_resume, differences, nothing_to_do,
-                                         write_checkpoint_config, write_run_config)
+from megatron_rl.trainer.run_dir import (ResumeMismatch, as_dict, check_resume, config_text, differences,
+                                         nothing_to_do, write_checkpoint_config, write_run_config)
 from megatron_rl.trainer.signals import StopRequest
 
 
@@ -33,7 +33,7 @@ def finished_run(out_dir, step: int, *overrides, metrics: bool = False):
     write_run_config(cfg, check_resume(cfg))
     folder = out_dir / "checkpoints" / f"step_{step:08d}"
     folder.mkdir(parents=True)
-    write_checkpoint_config(cfg, folder)
+    write_checkpoint_config(config_text(cfg), folder)
     (out_dir / "checkpoints" / "latest").write_text(folder.name)
     if metrics:
         rows = [{"step": -1, "eval/mean@4": 0.0}] + [{"step": s, "rollout/accuracy": 0.5} for s in range(step)]

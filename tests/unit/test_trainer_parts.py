@@ -197,17 +197,23 @@ def paper_inputs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("recipe", available_recipes())
-def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
-    """`megatron-rl dry-run RECIPE` (what the sbatch script runs first): config, algorithm
-    arguments, model path, every data row and the layout at the recipe's world size."""
-    from megatron_rl import cli
-
+@pytest.fixture
+def paper_env(paper_inputs, monkeypatch):
+    """The environment a launcher sets for the GPU recipes, pointing at `paper_inputs`."""
     monkeypatch.setenv("MRL_DATA", str(paper_inputs / "data"))
     monkeypatch.setenv("MRL_MODELS", str(paper_inputs / "models"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(paper_inputs / "hub"))
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return paper_inputs
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
+def test_every_recipe_passes_dry_run(recipe, paper_env, capsys):
+    """`megatron-rl dry-run RECIPE` (what the sbatch script runs first): config, algorithm
+    arguments, model path, every data row and the layout at the recipe's world size."""
+    from megatron_rl import cli
+
     assert cli.main(["dry-run", recipe]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     job = to_object(load_config(recipe))
@@ -231,16 +237,12 @@ def test_every_recipe_passes_dry_run(recipe, paper_inputs, monkeypatch, capsys):
     ("tiny_cpu", "algorithm.divergence=binary_tvv", "algorithm.divergence='binary_tvv'; valid: binary_tv"),
     ("tiny_cpu", "algorithm.agg_mode=token_mean", "algorithm.agg_mode: unknown aggregation 'token_mean'"),
 ])
-def test_dry_run_refuses_what_would_fail_after_the_launch(recipe, override, message, paper_inputs, monkeypatch,
-                                                         capsys):
+def test_dry_run_refuses_what_would_fail_after_the_launch(recipe, override, message, paper_env, capsys):
     """Layouts Megatron-Core refuses for the model's shape, and registry names used only after the
     first rollouts: the dry-run (and `train`, before it starts anything) names them."""
     from megatron_rl import cli
     from megatron_rl.models.layout import check_layout
 
-    monkeypatch.setenv("MRL_DATA", str(paper_inputs / "data"))
-    monkeypatch.setenv("MRL_MODELS", str(paper_inputs / "models"))
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main(["dry-run", recipe, *override.split()]) == 2
     assert message in capsys.readouterr().err
     job = to_object(load_config(recipe, override.split()))
