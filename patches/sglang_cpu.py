@@ -35,7 +35,17 @@ Pieces (each needed to serve a tiny Qwen3 / Qwen3-MoE with `--device cpu`):
   build C++ at the first request of every server). Tested, not assumed: the same seeded requests
   alone and amid others give bit-identical records (tests/e2e/test_sglang_rollout.py), and a
   killed-and-resumed training run matches an uninterrupted one bit for bit
-  (tests/e2e/test_trainer.py).
+  (tests/e2e/test_trainer.py);
+- the children's start method: SGLang starts its scheduler and detokenizer with multiprocessing's
+  *spawn* (CUDA cannot be forked), so each child imports SGLang and torch again: 22 of a CPU
+  server's 34 CPU seconds to start, and ~11 s of its 26 s wall. On CPU there is no CUDA context, so
+  the children are *forked* from the server process, which has imported and patched everything:
+  14 CPU seconds and 15 s wall. The server process has run no model op and holds no lock a child
+  needs when it forks (the only other thread is the lifeline's sleeping watcher). Set
+  `SGLANG_CPU_START_METHOD=spawn` to start them as on a GPU: tests/e2e/test_sglang_rollout.py
+  serves the same greedy requests from a spawn-started and a fork-started server and gets identical
+  tokens, log-probs and routes, which also proves that the patches reach spawned children the way
+  they do on GPUs (launch_server's import-time apply).
 """
 
 from __future__ import annotations
@@ -251,6 +261,35 @@ def _patch_deterministic_sampling() -> None:
     sampler.multinomial_with_seed = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
+START_METHOD_ENV = "SGLANG_CPU_START_METHOD"
+
+
+def children_start_method() -> str:
+    method = os.environ.get(START_METHOD_ENV, "fork")
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use fork (the CPU default) or spawn (as on GPUs)")
+    return method
+
+
+def _patch_start_method() -> None:
+    # SGLang sets spawn in _set_envs_and_config (called by launch_subprocesses, looked up as a module
+    # global at call time) and starts its children with the default context right after.
+    import multiprocessing as mp
+
+    from sglang.srt.entrypoints import engine
+
+    upstream = engine._set_envs_and_config
+
+    def set_envs_and_config(server_args):
+        upstream(server_args)
+        method = children_start_method()
+        if method != "spawn":
+            mp.set_start_method(method, force=True)
+        print(f"megatron-rl: SGLang's scheduler and detokenizer start by {method} (CPU)", flush=True)
+
+    engine._set_envs_and_config = set_envs_and_config
+
+
 def apply(version: str | None = None, torchvision_version: str | None = None) -> None:
     """Install the CPU fixes in this process (idempotent). Refuses an unexpected sglang.
 
@@ -268,4 +307,5 @@ def apply(version: str | None = None, torchvision_version: str | None = None) ->
     install_sgl_kernel_shim()
     _patch_host_alloc()
     _patch_deterministic_sampling()
+    _patch_start_method()
     _applied = True

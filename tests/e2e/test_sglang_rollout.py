@@ -153,6 +153,29 @@ def test_stop_token_and_eos_are_kept(dense):
         _check_against_hf(_hf_model(ckpt), rec, 1.0)
 
 
+def test_spawned_children_serve_as_forked_ones(dense, tmp_path):
+    """On CPU, SGLang's scheduler and detokenizer are forked from the patched server process
+    (patches/sglang_cpu.py); on GPUs they are spawned and re-import launch_server, which applies the
+    patches again. A server started the GPU way (SGLANG_CPU_START_METHOD=spawn) must serve the same
+    seeded samples bit for bit: the seeded-sampling hash and the fixed-tile GEMMs are patches that
+    only work in the scheduler child if they reached it."""
+    ckpt, forked = dense
+    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=8192, env={"SGLANG_CPU_START_METHOD": "spawn"},
+                       extra_args=("--weight-version", "0", "--enable-deterministic-inference"))
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=99)
+    with EngineManager(cfg, 1, log_dir=tmp_path / "logs") as spawned:
+        a, _ = _generate(spawned, sampling, n=2, top_k_logprobs=K)
+    b, _ = _generate(forked, sampling, n=2, top_k_logprobs=K)
+    log = (tmp_path / "logs" / "server0.log").read_text()
+    assert "scheduler and detokenizer start by spawn" in log
+    assert "start by fork" in (forked.log_dir / "server0.log").read_text()
+    for row_a, row_b in zip(a, b):
+        for x, y in zip(row_a, row_b):
+            assert torch.equal(x.response_ids, y.response_ids)
+            assert torch.equal(x.rollout_logp, y.rollout_logp)
+            assert torch.equal(x.topk_ids, y.topk_ids) and torch.equal(x.topk_logp, y.topk_logp)
+
+
 def test_routed_experts_match_hf_router(moe):
     ckpt, mgr = moe
     out, _ = _generate(mgr, SamplingParams(temperature=1.0, max_new_tokens=12), n=2,
