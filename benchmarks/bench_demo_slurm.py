@@ -9,7 +9,7 @@ This was a CI test until the suite's time budget (docs/testing.md): 199 s of the
 2-core machine (2026-11-26), and its parts are asserted in CI by cheaper tests --
 - the same job shape (sbatch, DP=2 over two srun tasks, rank 0 starting SGLang, the RL trainer, curves
   plotted): tests/slurm/test_sbatch.py::test_usr1_checkpoints_requeues_resumes_rl_trainer;
-- the embedded default's batch and hyper-parameters learning: tests/e2e/test_trainer.py::test_short_demo_learns.
+- the embedded default's batch and hyper-parameters learning: tests/e2e/test_readme_byo.py (20 steps of tiny_cpu from files).
 
     slurm/local_cluster.sh start && export SLURM_CONF=/tmp/megatron-rl-slurm/slurm.conf
     .venv/bin/python benchmarks/bench_demo_slurm.py [--out DIR] [--timeout 1800]

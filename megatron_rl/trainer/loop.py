@@ -61,7 +61,7 @@ from megatron_rl.trainer.run_dir import (Resume, check_resume, config_text, noth
                                          write_run_config)
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
-from megatron_rl.trainer.prompts import PromptStream, load_examples, tokenize
+from megatron_rl.trainer.prompts import PromptStream, TokenizedPrompts, load_examples, tokenize
 from megatron_rl.trainer.setup import build_models
 from megatron_rl.trainer.signals import StopRequest
 
@@ -221,7 +221,7 @@ class Trainer:
         self.learner, self.reference, self.critic, self.reward_model = (
             models.policy, models.reference, models.critic, models.reward_model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.learner.hf_path)
-        self.prompts = PromptStream(tokenize(load_examples(cfg.data, "train"), self.tokenizer),
+        self.prompts = PromptStream(TokenizedPrompts(load_examples(cfg.data, "train"), self.tokenizer),
                                     seed=cfg.data.shuffle_seed)
         eval_examples = load_examples(cfg.data, "eval", cfg.eval.num_prompts) if cfg.eval.num_prompts else []
         self.eval_prompts = tokenize(eval_examples, self.tokenizer)

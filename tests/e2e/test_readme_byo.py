@@ -4,6 +4,9 @@
 What it must show, checked against independent numbers:
 - training read the user's JSONL and scored with the user's reward file (the saved config says so;
   metrics rise over the run's own step −1 evaluation of the initial model);
+- the embedded default's batch and hyper-parameters learn (tiny_cpu, 20 steps, the demo's task from
+  files): from a random policy's accuracy (≤ 0.05) to ≥ 0.15 over the last five steps (this was
+  test_trainer's short-demo run; the 60-step demo bar is benchmarks/bench_demo_slurm.py);
 - the export is a Hugging Face folder transformers loads;
 - eval of the export is well above the initial model's eval on the same prompts;
 - the commands start quietly (no upstream "not installed" notices).
@@ -47,6 +50,7 @@ def test_readme_bring_your_own_runs_verbatim(tmp_path):
     initial = next(r for r in rows if r["step"] == -1)["eval/mean@4"]
     accuracy = [r["rollout/accuracy"] for r in rows if "rollout/accuracy" in r]
     assert len(accuracy) == 20 and max(accuracy[-3:]) > accuracy[0] + 0.05, accuracy
+    assert accuracy[0] <= 0.05 and sum(accuracy[-5:]) / 5 >= 0.15, accuracy  # a random policy over 128 tokens learns
 
     from transformers import AutoModelForCausalLM
 

@@ -20,7 +20,7 @@
     every metric equal, bit for bit, to the uninterrupted run's.
 (The unchanged embedded default as a 60-step job meeting the demo's accuracy bar takes 3-4 minutes
 here: benchmarks/bench_demo_slurm.py; (f) asserts the same job shape and
-tests/e2e/test_trainer.py::test_short_demo_learns the learning.)
+tests/e2e/test_readme_byo.py the learning.)
 
 Slurm holds a requeued batch job for ~2 minutes (its BeginTime); the tests release it after 3 s
 with `scontrol update JobId=J StartTime=now`, as an admin would.
@@ -348,11 +348,12 @@ def assert_two_ranks(run: Path, jobid: str, log: str) -> None:
 
 
 # Shrunk so that a step takes about a second on 2 cores (8 prompts x 4 samples, one mini-batch, a
-# small eval) and USR1 lands mid-run.
-RL_STEPS = 24
+# small eval) and USR1 lands mid-run (sent after step 1: eight steps to spare); the resumed part
+# crosses an evaluation and a periodic checkpoint (every 4 steps).
+RL_STEPS = 10
 RL_RECIPE = ["tiny_cpu", f"trainer.steps={RL_STEPS}", "rollout.prompts_per_step=8",
              "rollout.n_samples=4", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
-             "eval.num_prompts=8", "eval.k=1", "trainer.plot=false"]
+             "eval.num_prompts=8", "eval.k=1", "eval.every=4", "trainer.save_every=4", "trainer.plot=false"]
 
 
 @pytest.mark.xfail(not _has_rl_trainer(), reason="needs the RL trainer", strict=False)

@@ -150,6 +150,24 @@ def test_prompt_stream_resume_is_exact():
     assert sorted(first + rest[:2]) == sorted(f"p{i}" for i in range(7))  # an epoch is a permutation
 
 
+def test_prompts_are_rendered_when_drawn_as_tokenize_renders_them():
+    from megatron_rl.data.datasets import PromptExample
+    from megatron_rl.models.tiny import build_char_tokenizer
+    from megatron_rl.trainer.prompts import TokenizedPrompts, tokenize
+
+    tok = build_char_tokenizer()
+    examples = [PromptExample(messages=({"role": "user", "content": f"q{i}"},), answer=str(i), source="", origin=f"f:{i}")
+                for i in range(50)]
+    lazy = TokenizedPrompts(examples, tok)
+    stream = PromptStream(lazy, seed=1)
+    drawn = stream.take(8)
+    assert len(lazy) == 50 and len(lazy._rendered) == 8  # only what was drawn
+    eager = {p.uid: p for p in tokenize(examples, tok)}
+    assert all(p == eager[p.uid] for p in drawn)
+    assert drawn[0].ids[-2:] == tuple(tok.encode("t\n", add_special_tokens=False))  # "<|im_start|>assistant\n"
+    assert lazy[int(drawn[0].uid[2:])] is drawn[0]  # kept for later epochs
+
+
 def test_metrics_logger_drops_rows_from_resumed_step(tmp_path):
     from megatron_rl.config.schema import TrainerConfig
     from megatron_rl.trainer.metrics import MetricsLogger, read_metrics
