@@ -269,6 +269,7 @@ class TrainerConfig:
     wandb_project: str = "megatron-rl"
     rollout_wait_timeout: float = 7200.0  # seconds a rank waits for its group leader's rollouts before failing
     rollout_wait_log_every: float = 300.0  # seconds between a waiting rank's log lines (time waited, leader's progress)
+    collective_timeout: float = 1800.0  # seconds a collective may wait before the process group fails it (NCCL's watchdog, gloo's timeout); what can legitimately take longer on one rank (rollouts, eval, a late data-parallel producer) is awaited on the c10d store under rollout_wait_timeout instead
     token_log_every: int = 0  # every N steps, write each mini-batch's loss tokens (ids, log μ, log π, advantage) to out_dir/tokens/ for token-level analysis (benchmarks/testbed_report.py); 0 = off
     max_staleness: int = 0  # asynchronous training: step t's rollouts may come from weights up to this many steps old (generation runs ahead while the learner trains); 0 = synchronous
 

@@ -135,8 +135,11 @@ def layout_sizes(cfg: ParallelConfig, world_size: int) -> dict:
     return dict(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
 
 
-def init_distributed(cfg: ParallelConfig, timeout_s: int = 1800) -> ParallelContext:
-    """Start torch.distributed (if not started) and Megatron's parallel state; return the context."""
+def init_distributed(cfg: ParallelConfig, timeout_s: float = 1800) -> ParallelContext:
+    """Start torch.distributed (if not started) and Megatron's parallel state; return the context.
+
+    `timeout_s` (trainer.collective_timeout) is every process group's timeout: the default group's
+    and Megatron's (tensor-, data-, pipeline-, expert-parallel ...)."""
     import patches
 
     patches.apply_all()
@@ -161,6 +164,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: int = 1800) -> ParallelCont
         virtual_pipeline_model_parallel_size=s["vpp"],
         expert_model_parallel_size=s["ep"],
         expert_tensor_parallel_size=s["etp"],
+        distributed_timeout_minutes=timeout_s / 60,  # Megatron's groups: the same timeout as the default one
     )
     from patches import device_check
 

@@ -179,3 +179,95 @@ class LeaderSignal:
         if progress is None:
             return "the leader has posted no progress"
         return f"the leader's last progress: {progress!r} (first seen {now - progress_at:.0f}s ago)"
+
+
+class StoreMeeting:
+    """Peers that meet outside any collective: each posts under `<prefix>/<key>/<rank>` and polls the
+    store until all `size` have posted (the waiting part of a barrier, without its timeout), and
+    `gather` hands everyone every member's bytes.
+
+    The trainer's data-parallel producers agree on each generation round (`StoreSum`, from their
+    threads) and meet again before the step's collectives. A producer later than the process groups'
+    timeout (a slow server, a retried 16k-token sample, a slow reward) would make the others fail
+    inside a collective (the NCCL watchdog; gloo's timeout); on the store the wait is bounded by
+    `timeout_s` (trainer.rollout_wait_timeout), with a line every `log_every_s` naming the members
+    not there yet.
+
+    A member that fails says so once (`fail`, or `arrive` around its work); whoever waits for it
+    raises LeaderFailed with its message at the next poll instead of waiting out the timeout. Store
+    memory stays bounded: a member deletes its entry of two meetings back when it posts (everyone has
+    left that meeting: they all reached the previous one). Keys must be fresh for each meeting.
+    """
+
+    def __init__(self, prefix: str, rank: int, size: int, *, timeout_s: float, log_every_s: float,
+                 poll_s: float = 0.5, log: Callable[[str], None] = _print, timeout_name: str = "timeout_s",
+                 store: Optional[dist.Store] = None, what: str = "rank"):
+        for name, value in (("timeout_s", timeout_s), ("log_every_s", log_every_s), ("poll_s", poll_s)):
+            if not value > 0:
+                raise ValueError(f"StoreMeeting {name}={value!r}: must be a positive number of seconds")
+        if store is None:
+            if not dist.is_initialized():
+                raise RuntimeError("StoreMeeting needs torch.distributed initialised (it uses the default "
+                                   "process group's store)")
+            store = dist.distributed_c10d._get_default_store().clone()
+        self.prefix, self.rank, self.size, self.what = prefix.strip("/"), rank, size, what
+        self.timeout_s, self.log_every_s, self.poll_s = float(timeout_s), float(log_every_s), float(poll_s)
+        self.timeout_name, self.log = timeout_name, log
+        self._store = store
+        self._mine: list[str] = []
+
+    def fail(self, message: str) -> None:
+        """This member failed: every member waiting for it, at any meeting, raises with `message`."""
+        self._store.set(f"{self.prefix}/failed/{self.rank}", message)
+
+    @contextlib.contextmanager
+    def arrive(self, key: str) -> Iterator[None]:
+        """Do this member's work in the block, then meet: on an exception the others learn of it."""
+        try:
+            yield
+        except BaseException as e:
+            self.fail(f"{type(e).__name__}: {e}")
+            raise
+        self.meet(key)
+
+    def meet(self, key: str) -> float:
+        """Post this member's arrival on `key` and wait for all; return the seconds waited."""
+        return self.gather(key, b"")[1]
+
+    def gather(self, key: str, value: bytes) -> tuple[list[bytes], float]:
+        """Post `value` on `key`, wait for every member's; return (their values by rank, seconds waited)."""
+        mine = f"{self.prefix}/{key}/{self.rank}"
+        self._store.set(mine, value)
+        self._mine.append(mine)
+        if len(self._mine) > 2:
+            self._store.delete_key(self._mine.pop(0))
+        keys = [f"{self.prefix}/{key}/{r}" for r in range(self.size)]
+        start = time.monotonic()
+        next_log = start + self.log_every_s
+        values: dict[int, bytes] = {}
+        while True:
+            try:
+                for r in range(self.size):
+                    if r in values:
+                        continue
+                    if self._store.check([keys[r]]):
+                        values[r] = self._store.get(keys[r])
+                    elif self._store.check([f"{self.prefix}/failed/{r}"]):
+                        message = self._store.get(f"{self.prefix}/failed/{r}").decode()
+                        raise LeaderFailed(f"{self.prefix}/{key}: {self.what} {r} failed: {message}")
+            except dist.DistError as e:
+                raise RuntimeError(f"{self.prefix}/{key}: the c10d store became unreachable while waiting "
+                                   f"for the other {self.what}s (it lives on global rank 0; did that exit?): "
+                                   f"{e}") from e
+            now = time.monotonic()
+            if len(values) == self.size:
+                return [values[r] for r in range(self.size)], now - start
+            missing = [r for r in range(self.size) if r not in values]
+            if now - start >= self.timeout_s:
+                raise TimeoutError(f"{self.prefix}/{key}: {self.what}s {missing} not there after {now - start:.0f}s "
+                                   f"({self.timeout_name}={self.timeout_s:g})")
+            if now >= next_log:
+                self.log(f"waiting for {self.prefix}/{key}: {self.what}s {missing} not there yet after "
+                         f"{now - start:.0f}s")
+                next_log = now + self.log_every_s
+            time.sleep(min(self.poll_s, max(0.0, start + self.timeout_s - now)))

@@ -258,6 +258,14 @@ class Trainer:
             self.signal = LeaderSignal("rollouts", timeout_s=t.rollout_wait_timeout,
                                        log_every_s=t.rollout_wait_log_every,
                                        timeout_name="trainer.rollout_wait_timeout")
+        # Data-parallel producers meet on the store before their first collective of a step.
+        self.meeting = None
+        if dist.is_initialized() and ctx.dp > 1 and self.producer:
+            from megatron_rl.distributed.wait import StoreMeeting
+
+            self.meeting = StoreMeeting("producers", ctx.dp_rank, ctx.dp, timeout_s=t.rollout_wait_timeout,
+                                        log_every_s=t.rollout_wait_log_every, what="data-parallel producer",
+                                        timeout_name="trainer.rollout_wait_timeout")
 
     def _others(self) -> dict:
         """Trained models besides the policy, checkpointed with it."""
@@ -384,7 +392,8 @@ class Trainer:
         """Producer ranks: start the thread that makes each step's share ahead of the learner
         (at most trainer.max_staleness steps), from the consumer's prompt position or after the
         shares a resumed checkpoint saved."""
-        from megatron_rl.trainer.producer import Producer, StoreSum
+        from megatron_rl.rollout.client import GenerationAborted
+        from megatron_rl.trainer.producer import Producer, ProducerStopped, StoreSum
 
         if not self.producer:
             return
@@ -393,13 +402,25 @@ class Trainer:
         if dist.is_initialized() and ctx.dp > 1:
             store = dist.distributed_c10d._get_default_store().clone()
             agree = StoreSum(store, f"agree/{self.cfg.name}", ctx.dp_rank, ctx.dp,
-                             timeout_s=self.cfg.trainer.rollout_wait_timeout)
+                             timeout_s=self.cfg.trainer.rollout_wait_timeout,
+                             log_every_s=self.cfg.trainer.rollout_wait_log_every)
         stream = PromptStream(self.prompts.prompts, seed=self.prompts.seed)
         stream.load_state_dict(self.prompts.state_dict())
         saved = self._load_queue()
         if saved:
             stream.load_state_dict(saved[-1].position)
-        self.feeder = Producer(lambda target, s: self._make_share(target, s, agree), stream,
+
+        def make(target: int, s: PromptStream) -> tuple[RolloutBatch, dict]:
+            try:
+                return self._make_share(target, s, agree)
+            except (ProducerStopped, GenerationAborted):
+                raise  # a stop, not a failure
+            except BaseException as e:
+                if agree is not None:  # the other producers' threads stop waiting for this one
+                    agree.fail(f"step {target}: {type(e).__name__}: {e}")
+                raise
+
+        self.feeder = Producer(make, stream,
                                self.cfg.trainer.max_staleness, last_target=self.cfg.trainer.steps - 1,
                                on_exit=self.rollouts.close_lane)
         self.feeder.start(self.step, published=self.step, saved=saved)
@@ -441,7 +462,16 @@ class Trainer:
         """Producers (collective over them): this rank's share of the step from the producer
         thread, checked: every model token within the staleness bound, every μ finite."""
         ctx = self.ctx
-        share = self.feeder.get(self.step)
+        # Each producer waits for its own thread, then for the others on the store: a producer
+        # later than the process group's timeout is waited for here, not inside the all-reduce.
+        key = f"step{self.step}/try{self._attempt}"
+        try:
+            share = self.feeder.get(self.step)
+        except BaseException as e:
+            if self.meeting:
+                self.meeting.fail(f"step {self.step}: {type(e).__name__}: {e}")
+            raise
+        waited = self.meeting.meet(key) if self.meeting else 0.0
         batch, metrics = share.batch, dict(share.metrics)
         counts = metrics.pop("_async")
         stale = self.cfg.trainer.mode == "train" and bool(counts[self.cfg.trainer.max_staleness + 1] > 0)
@@ -463,6 +493,8 @@ class Trainer:
             counts = all_reduce_sum(counts, ctx.dp_group, ctx.device)
         metrics |= self.rollouts.finish_metrics(sums) | self._async_metrics(counts)
         metrics["time/queue_wait"] = self.feeder.waited_s
+        if self.meeting:
+            metrics["time/producers_wait"] = waited  # for the other data-parallel producers, on the store
         if flags[1]:
             return None, metrics, "error:" + (bad or "a rollout log-prob is not finite on another "
                                                     "data-parallel rank (its log names it)")
@@ -821,7 +853,7 @@ def train(cfg: JobConfig) -> list[dict]:
     from megatron_rl.models.layout import check_layout
 
     check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
-    ctx = init_distributed(cfg.parallel)
+    ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)
     return Trainer(cfg, ctx, resume).fit()

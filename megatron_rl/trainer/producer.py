@@ -200,29 +200,29 @@ class StoreSum:
     """A sum over the producers of the data-parallel ranks through the c10d store, for the
     producer threads (which must not enter a collective: the learner's may be running).
 
-    Each rank posts its int64 vector under `<prefix>/<name>/<rank>` and reads everyone's; it
-    deletes its own key of two sums back (every rank has read that one before anyone posts the
-    next: the sum in between needs them all)."""
+    Each rank posts its int64 vector under `<prefix>/<name>/<rank>` and reads everyone's
+    (distributed/wait.py `StoreMeeting.gather`: a late producer is waited for under `timeout_s`,
+    trainer.rollout_wait_timeout, with a line every `log_every_s` naming it; one that failed
+    (`fail`) ends the others' wait at once; each rank keeps its last two keys)."""
 
-    def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float = 7200.0):
-        self.store, self.prefix, self.rank, self.size = store, prefix, rank, size
-        self.timeout_s = timeout_s
-        self._mine: list[str] = []
+    def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float = 7200.0,
+                 log_every_s: float = 300.0, log=None):
+        from megatron_rl.distributed.wait import StoreMeeting
+
+        self.size = size
+        kw = {"log": log} if log is not None else {}
+        self.meeting = StoreMeeting(prefix, rank, size, timeout_s=timeout_s, log_every_s=log_every_s, store=store,
+                                    what="data-parallel producer", timeout_name="trainer.rollout_wait_timeout", **kw)
 
     def __call__(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        import datetime
-
-        key = f"{self.prefix}/{name}"
-        mine = f"{key}/{self.rank}"
-        self.store.set(mine, x.to(torch.int64).numpy().tobytes())
-        self._mine.append(mine)
-        keys = [f"{key}/{r}" for r in range(self.size)]
-        self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        values, _ = self.meeting.gather(name, x.to(torch.int64).numpy().tobytes())
         total = torch.zeros_like(x, dtype=torch.int64)
-        for k in keys:
-            total += torch.frombuffer(bytearray(self.store.get(k)), dtype=torch.int64)
-        if len(self._mine) > 2:
-            self.store.delete_key(self._mine.pop(0))
+        for v in values:
+            total += torch.frombuffer(bytearray(v), dtype=torch.int64)
         return total.to(x.dtype)
+
+    def fail(self, message: str) -> None:
+        """This producer's thread failed: the others stop waiting for it."""
+        self.meeting.fail(message)

@@ -39,7 +39,7 @@ OPERATIONAL = (
     "trainer.steps", "trainer.out_dir", "trainer.resume", "trainer.allow_config_change",
     "trainer.save_every", "trainer.keep_checkpoints", "trainer.progress", "trainer.plot",
     "trainer.tensorboard", "trainer.wandb", "trainer.wandb_project", "trainer.rollout_wait_timeout",
-    "trainer.rollout_wait_log_every", "trainer.token_log_every",
+    "trainer.rollout_wait_log_every", "trainer.collective_timeout", "trainer.token_log_every",
     "eval.",  # seeded apart from training: evaluating more or less often changes no training step
     "parallel.world_size",  # the dry-run's assumption; the launch's real layout is parallel.tp/pp/...
     "model.base.cache_dir",

@@ -7,6 +7,11 @@
     and the leader's last progress, having logged while it waited.
 (c) A leader that fails: post_error (and `leading` around a raising block) reach the waiter at
     its next poll, long before its timeout.
+(d) StoreMeeting (3 ranks: the trainer's data-parallel producers before their first collective;
+    StoreSum, their threads' per-round sum, is a gather on it): one member late by twice the
+    group's timeout; the others wait, log the late rank, and the all-reduce after the meeting
+    succeeds under the 3 s timeout; a member that fails reaches the others promptly; a member that
+    never comes times out naming it; the store holds at most two meetings' entries per member.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.distributed.spawn import run_distributed
-from megatron_rl.distributed.wait import LeaderFailed, LeaderSignal
+from megatron_rl.distributed.wait import LeaderFailed, LeaderSignal, StoreMeeting
 
 GROUP_TIMEOUT_S = 3.0
 LEADER_WORK_S = 6.0  # twice the group's timeout
@@ -190,3 +195,72 @@ def test_bad_timeouts_are_refused():
         LeaderSignal("x", timeout_s=0, log_every_s=1, store=store)
     with pytest.raises(ValueError, match="log_every_s=-1"):
         LeaderSignal("x", timeout_s=1, log_every_s=-1, store=store)
+
+
+def _meeting(rank, world_size):
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    dist.distributed_c10d._get_default_store().set_timeout(timeout)
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    logs, out = [], {}
+    meeting = StoreMeeting("producers", rank, world_size, timeout_s=30, log_every_s=1.0, poll_s=0.05,
+                           log=logs.append, timeout_name="trainer.rollout_wait_timeout", what="producer")
+    store = dist.distributed_c10d._get_default_store()
+    base = store.num_keys()
+    live = []
+    for step in range(4):
+        if rank == 2 and step == 1:
+            time.sleep(LEADER_WORK_S)  # twice the group's timeout
+        out.setdefault("waited", []).append(meeting.meet(f"step{step}/try1"))
+        x = torch.tensor([float(rank)])
+        dist.all_reduce(x, group=group)  # under the 3 s timeout: fine, everyone arrived together
+        out.setdefault("sums", []).append(float(x))
+        dist.barrier(group=group)
+        live.append(store.num_keys() - base)
+    out["live"], out["logs"] = live, list(logs)
+    # A failing member: the others raise with its message at once.
+    t0 = time.monotonic()
+    try:
+        with meeting.arrive("step4/try1"):
+            if rank == 1:
+                raise RuntimeError("reward worker pool is broken")
+        out["failed"] = None
+    except (LeaderFailed, RuntimeError) as e:
+        out["failed"], out["failed_after"] = f"{type(e).__name__}: {e}", time.monotonic() - t0
+    dist.barrier(group=group)
+    # A member that never comes: the others time out naming it.
+    short = StoreMeeting("late", rank, world_size, timeout_s=1.0, log_every_s=10, poll_s=0.05, log=lambda s: None,
+                         timeout_name="trainer.rollout_wait_timeout", what="producer")
+    if rank != 0:
+        try:
+            short.meet("step5/try1")
+        except TimeoutError as e:
+            out["timeout"] = str(e)
+    dist.barrier(group=group)
+    return out
+
+
+@pytest.mark.slow
+def test_meeting_outlasts_the_group_timeout_and_reports_who_is_late():
+    outs = run_distributed(_meeting, 3, timeout=120)
+    for rank, out in enumerate(outs):
+        assert out["sums"] == [3.0] * 4  # 0 + 1 + 2: every all-reduce after a meeting went through
+        # Bounded: two meetings' entries per member (the rest are torch's own barrier keys), not one per step.
+        assert max(out["live"]) <= 2 * 3 + 2, out["live"]
+        if rank != 2:
+            assert out["waited"][1] > LEADER_WORK_S - 0.5  # waited out the late producer on the store
+            assert any("producers/step1/try1: producers [2] not there yet" in line for line in out["logs"]), out["logs"]
+        else:
+            assert out["waited"][1] < 1.0 and not out["logs"]
+        if rank == 1:
+            assert out["failed"].startswith("RuntimeError: reward worker pool is broken")
+        else:
+            assert "producers/step4/try1: producer 1 failed: RuntimeError: reward worker pool is broken" in out["failed"]
+            assert out["failed_after"] < 5.0
+        if rank != 0:
+            assert "late/step5/try1: producers [0] not there after 1s (trainer.rollout_wait_timeout=1)" \
+                in out["timeout"], out["timeout"]
+
+
+def test_meeting_refuses_bad_timeouts():
+    with pytest.raises(ValueError, match="timeout_s=0"):
+        StoreMeeting("x", 0, 2, timeout_s=0, log_every_s=1, store=dist.HashStore())

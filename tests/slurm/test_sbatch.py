@@ -246,20 +246,49 @@ def finished(jobid: str, tmp_path: Path) -> tuple[dict, str]:
     return info, log
 
 
+COLLECTIVE_S, LATE_S = 12, 30
+# tiny_cpu's reward, except that one call on rank 1 (SLURM_PROCID; reward workers inherit it) sleeps.
+LATE_REWARD = """
+import os, time
+from megatron_rl.rewards.synthetic import exact_match
+
+def score(response, answer):
+    if os.environ.get("SLURM_PROCID") == "1":
+        try:
+            os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL))
+            time.sleep({late_s})
+        except FileExistsError:
+            pass
+    return exact_match(response, answer)
+"""
+
+
 def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     """ROLLOUT_NODES=1 with two servers on the rollout node (one per replica, dp 1 each) and the
-    real RL trainer (tiny_cpu, DP=2) for 3 steps, weights through the process group (gloo)."""
+    real RL trainer (tiny_cpu, DP=2) for 3 steps, weights through the process group (gloo).
+
+    Rank 1's producer is late once, by LATE_S (its reward scores one sample slowly), past every
+    process group's timeout (trainer.collective_timeout=COLLECTIVE_S): rank 0 waits for it on the
+    c10d store (the producers' per-round StoreSum), saying so, and the step's all-reduces then run
+    together."""
     from megatron_rl.models.tiny import make_tiny_checkpoint
 
     steps, prompts, n = 3, 8, 4
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128)  # tiny_cpu's model, for both sides
     run = tmp_path / "run"
+    reward = tmp_path / "late_reward.py"
+    reward.write_text(LATE_REWARD.format(flag=str(tmp_path / "late_once"), late_s=LATE_S))
     jobid = submit(tmp_path, ["tiny_cpu", f"trainer.steps={steps}", f"rollout.prompts_per_step={prompts}",
                               f"rollout.n_samples={n}", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
                               "eval.num_prompts=0", "trainer.plot=false", f"model.hf_path={ckpt}",
-                              "rollout.weight_sync=distributed"],
+                              "rollout.weight_sync=distributed", f"data.reward={reward}:score",
+                              f"data.reward_timeout={LATE_S * 3}", f"trainer.collective_timeout={COLLECTIVE_S}",
+                              "trainer.rollout_wait_log_every=4"],
                    two_servers_env(ckpt, 30617), ("--nodes=2", "--ntasks-per-node=2"))
     info, log = finished(jobid, tmp_path)
+    rank0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
+    assert "data-parallel producers [1] not there yet" in rank0, rank0[-3000:]
+    assert (tmp_path / "late_once").exists()
     learner_node, rollout_node = hostnames(info["NodeList"])
     urls = ["http://127.0.0.1:30617", "http://127.0.0.1:30633"]  # ROLLOUT_PORT + 16k on NodeAddr 127.0.0.1
     # The dry-run printed the layout it checked; the script started exactly that.

@@ -157,6 +157,26 @@ def test_store_sum_across_threads():
     assert store.num_keys() <= 4  # each rank keeps its last two keys
 
 
+def test_store_sum_waits_for_a_late_producer_saying_so_and_stops_for_a_failed_one():
+    from megatron_rl.distributed.wait import LeaderFailed
+
+    store = dist.HashStore()
+    logs: list[str] = []
+    a = StoreSum(store, "agree/x", 0, 2, timeout_s=30, log_every_s=0.3, log=logs.append)
+    b = StoreSum(store, "agree/x", 1, 2, timeout_s=30, log_every_s=0.3, log=logs.append)
+    late = threading.Timer(1.0, lambda: b("0/0", torch.tensor([5])))
+    late.start()
+    assert int(a("0/0", torch.tensor([2]))) == 7
+    late.join()
+    assert logs and all("agree/x/0/0: data-parallel producers [1] not there yet" in line for line in logs), logs
+    # producer 1's thread dies before round 1: producer 0 stops waiting at its next poll, not after 30 s
+    threading.Timer(0.5, lambda: b.fail("step 0: RuntimeError: reward pool broken")).start()
+    start = time.monotonic()
+    with pytest.raises(LeaderFailed, match="agree/x/0/1: data-parallel producer 1 failed: step 0: RuntimeError"):
+        a("0/1", torch.tensor([1]))
+    assert time.monotonic() - start < 5
+
+
 def test_stop_aborts_the_target_being_made():
     """A stopping run cuts generation it will not train on; the cut is no error."""
     cut = threading.Event()
