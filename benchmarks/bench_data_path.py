@@ -254,9 +254,13 @@ def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.
         done.set()
         return web.json_response(stats)
 
+    async def loads(request):  # the client's stall watchdog probes SGLang's /v1/loads
+        return web.json_response({"loads": [{"dp_rank": 0}]})
+
     async def main():
         app = web.Application(client_max_size=1 << 30)
-        app.add_routes([web.post("/generate", generate), web.get("/bench_stats", bench_stats)])
+        app.add_routes([web.post("/generate", generate), web.get("/bench_stats", bench_stats),
+                        web.get("/v1/loads", loads)])
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -37,12 +37,20 @@ is built, exactly once per (prompt, sample), so the caller can start on finished
 score rewards) while others are still generating.
 
 Concurrency and time limits: at most `max_inflight_per_server` requests of one client are in
-flight on a server (the rest wait in the client, so the least-loaded choice stays meaningful);
-a generation request not answered within `request_timeout` seconds is aborted there and retried
-elsewhere. `request_timeout=None` derives it from each call's budget:
-`generation_timeout_s(max_new_tokens)` = 300 s + max_new_tokens / 8 tokens per second (a floor
-rate no healthy server falls below, even batched; 16384 tokens → 2348 s); `request_timeout_s`
-reads the same from a `RolloutConfig`. Control endpoints use CONTROL_TIMEOUT_S unless told.
+flight on a server (the rest wait in the client, so the least-loaded choice stays meaningful).
+What a request may take is measured by its server's progress, not by a clock that also counts
+queueing: while this client has requests in flight on a server, a watchdog asks the server's
+scheduler for its load (`/v1/loads`, answered between two forward batches) every
+`stall_timeout / 4` s (at most 10 s). A server that gives no answer for `stall_timeout` seconds
+(hung or dead: its HTTP front or its scheduler stuck) is marked down, its requests are aborted
+there (best effort) and retried elsewhere; a request that waits in a busy server's queue, however
+long, is never retried for it and never marks the server down. With the watchdog on, generation
+requests have no total timeout unless `request_timeout` sets one (then a request not answered
+within it, queueing included, is aborted and retried). With `stall_timeout=None` (no watchdog)
+`request_timeout=None` derives the total timeout from each call's budget:
+`generation_timeout_s(max_new_tokens)` = 300 s + max_new_tokens / 8 tokens per second (16384
+tokens → 2348 s); `request_timeout_s` reads the same from a `RolloutConfig`. Control endpoints use
+CONTROL_TIMEOUT_S unless told.
 
 Response bodies are parsed with orjson (several times faster than json on the log-prob lists)
 with Python's cyclic GC paused: a 16k-token response with top-20 log-probs is ~350 k small lists,
@@ -70,6 +78,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import math
 import logging
 import time
 import uuid
@@ -103,6 +112,10 @@ class SGLangHTTPError(RolloutError):
     def __init__(self, url: str, route: str, status: int, body: str):
         super().__init__(f"{url}{route} answered {status}: {body[:500]}")
         self.url, self.route, self.status, self.body = url, route, status, body
+
+
+class _Stalled(Exception):
+    """The watchdog found the request's server hung."""
 
 
 class _Retryable(Exception):
@@ -161,6 +174,8 @@ KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
 CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
 TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
+STALL_TIMEOUT_S = 180.0  # default: seconds a busy server may give no sign of life (module docstring)
+NO_TIMEOUT = math.inf  # a request timeout that never fires (ServerAPI)
 
 
 READ_SLOTS = 1
@@ -227,7 +242,8 @@ class ServerAPI:
 
     async def _request(self, method: str, route: str, payload: dict | None = None,
                        timeout: float | None = None, gate: asyncio.Semaphore | None = None) -> Any:
-        t = aiohttp.ClientTimeout(total=timeout) if timeout is not None else self.timeout
+        t = (self.timeout if timeout is None else aiohttp.ClientTimeout(total=None) if timeout == NO_TIMEOUT
+             else aiohttp.ClientTimeout(total=timeout))
         async with self.session.request(method, self.url + route, json=payload, timeout=t) as r:
             # `gate` bounds how many bodies are read and parsed at once: the rest wait in socket
             # buffers (aiohttp stops reading past its buffer limit), not in this process's memory.
@@ -350,8 +366,11 @@ class RolloutClient:
     """Generation over a pool of SGLang servers (see the module docstring for the guarantees).
 
     `servers`: fixed URLs, or a pool with `urls()` (e.g. an EngineManager) read at every pick.
-    `request_timeout`: seconds per generation request (and /classify); None: derived from each
-    generate call's max_new_tokens (generation_timeout_s), CONTROL_TIMEOUT_S for /classify.
+    `request_timeout`: seconds per generation request (and /classify), queueing included; None: no
+    total timeout while the stall watchdog runs, else derived from each generate call's
+    max_new_tokens (generation_timeout_s); CONTROL_TIMEOUT_S for /classify.
+    `stall_timeout`: seconds a server with requests of this client in flight may give no sign of
+    life before it is marked down and they go elsewhere (module docstring); None: no watchdog.
     `max_inflight_per_server`: requests of this client in flight on one server at a time.
     `moe_topk`, `num_experts`: the router's top-k (num_experts_per_tok) and the experts per MoE
     layer, both needed to decode routed experts (ids are checked against num_experts, and
@@ -367,7 +386,10 @@ class RolloutClient:
                  backoff_initial: float = 0.5, backoff_max: float = 8.0,
                  server_wait_timeout: float = 300.0, max_inflight_per_server: int = 64,
                  moe_topk: int | None = None, num_experts: int | None = None,
-                 continue_aborted: bool = False, eos_token_ids: Sequence[int] = ()):
+                 continue_aborted: bool = False, eos_token_ids: Sequence[int] = (),
+                 stall_timeout: float | None = STALL_TIMEOUT_S):
+        if stall_timeout is not None and not stall_timeout > 0:
+            raise ValueError(f"stall_timeout = {stall_timeout}: seconds > 0, or None for no watchdog")
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout = {request_timeout}: seconds > 0, or None to derive it "
                              "from max_new_tokens")
@@ -381,6 +403,10 @@ class RolloutClient:
         self._urls: Callable[[], list[str]] = (
             (lambda: list(servers)) if isinstance(servers, (list, tuple)) else servers.urls)
         self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout
+        self.stall_poll_s = None if stall_timeout is None else min(10.0, stall_timeout / 4)
+        self._stalled: dict[str, asyncio.Event] = {}  # set by the watchdog: that server is hung
+        self._watchdog: asyncio.Task | None = None
         self.connect_timeout = connect_timeout
         self.max_attempts = max_attempts
         self.backoff_initial = backoff_initial
@@ -420,6 +446,10 @@ class RolloutClient:
         return self._session
 
     async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+            self._watchdog = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -452,9 +482,12 @@ class RolloutClient:
                 raise GenerationAborted("generation aborted")
             urls = self._urls()
             for u in [u for u in urls if u in self._down]:
-                if await self.server(u).health(timeout=2.0):
-                    logger.warning("server %s answers /health again; back in rotation", u)
+                # Back when its scheduler answers (the watchdog's probe: a hung server's HTTP front
+                # may still answer /health), or /health without the watchdog.
+                if await (self._alive(u) if self.stall_timeout is not None else self.server(u).health(timeout=2.0)):
+                    logger.warning("server %s answers again; back in rotation", u)
                     self._down.pop(u, None)  # concurrent picks may both see it recover
+                    self._stalled.pop(u, None)
             up = [u for u in urls if u not in self._down]
             if up:
                 others = [u for u in up if u != avoid] or up
@@ -470,6 +503,60 @@ class RolloutClient:
     def _release(self, url: str) -> None:
         self._assigned[url] -= 1
 
+    # --- the stall watchdog -------------------------------------------------------------------
+    async def _watched(self, url: str, request: Awaitable[Any]) -> Any:
+        """`request` to `url`, given up (`_Stalled`) as soon as the watchdog finds `url` hung."""
+        if self.stall_timeout is None:
+            return await request
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = asyncio.ensure_future(self._watch())
+        stalled = self._stalled.setdefault(url, asyncio.Event())
+        task = asyncio.ensure_future(request)
+        waiter = asyncio.ensure_future(stalled.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise _Stalled(f"no sign of life for {self.stall_timeout:.0f}s (stall_timeout)")
+
+    async def _alive(self, url: str) -> bool:
+        """The server's scheduler answers (between two forward batches): /v1/loads, core section."""
+        try:
+            await self.server(url).get("/v1/loads?include=core", timeout=self.stall_poll_s)
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+
+    async def _watch(self) -> None:
+        """Probe every server this client has requests in flight on; one silent for stall_timeout
+        seconds since it last answered (or since it got them) is declared hung."""
+        heard: dict[str, float] = {}  # server -> when it last answered (or became busy)
+        while True:
+            await asyncio.sleep(self.stall_poll_s)
+            busy = [u for u, reqs in self._inflight.items() if reqs and u not in self._down]
+            now = time.monotonic()
+            heard = {u: heard.get(u, now) for u in busy}
+            answers = await asyncio.gather(*(self._alive(u) for u in busy))
+            now = time.monotonic()
+            for u, ok in zip(busy, answers):
+                if ok:
+                    heard[u] = now
+                elif now - heard[u] >= self.stall_timeout:
+                    n = len(self._inflight.get(u, ()))
+                    logger.error("server %s gave no sign of life for %.0fs with %d requests of this client in "
+                                 "flight; marking it down and sending them elsewhere", u, now - heard[u], n)
+                    self._down[u] = now
+                    self._stalled.setdefault(u, asyncio.Event()).set()
+
     # --- generation -------------------------------------------------------------------------
     async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate",
                        keep_partial: bool = False) -> Any:
@@ -477,8 +564,15 @@ class RolloutClient:
         it holds tokens (the caller continues from them)."""
         api = self.server(url)
         try:
-            out = await api.post(route, payload, timeout=timeout,
-                                 gate=self._read_gate if route == "/generate" else None)
+            out = await self._watched(url, api.post(route, payload, timeout=timeout,
+                                                    gate=self._read_gate if route == "/generate" else None))
+        except _Stalled as e:
+            if "rid" in payload:  # it may come back to life: the answer must not come back too
+                try:
+                    await asyncio.wait_for(api.abort_request(payload["rid"]), 2.0)
+                except Exception:
+                    pass
+            raise _Retryable(str(e), server_down=True) from e
         except SGLangHTTPError as e:
             if e.status >= 500:
                 raise _Retryable(f"HTTP {e.status}: {e.body[:200]}", server_down=True) from e
@@ -631,8 +725,9 @@ class RolloutClient:
             raise ValueError("return_routed_experts needs the client's moe_topk (num_experts_per_tok) "
                              f"and num_experts (experts per MoE layer); got moe_topk={self.moe_topk}, "
                              f"num_experts={self.num_experts}")
-        timeout = (generation_timeout_s(sampling.max_new_tokens) if self.request_timeout is None
-                   else self.request_timeout)
+        timeout = (self.request_timeout if self.request_timeout is not None
+                   else NO_TIMEOUT if self.stall_timeout is not None
+                   else generation_timeout_s(sampling.max_new_tokens))
         self._aborted.clear()
         batch = uuid.uuid4().hex[:12]
         payload_base = {"return_logprob": True, "logprob_start_len": -1, "stream": False}

@@ -166,7 +166,10 @@ def validate(cfg: JobConfig) -> None:
     reward_kind(get_reward(cfg.data.reward), cfg.data.reward)
     if r.max_inflight_per_server < 1 or (r.request_timeout is not None and r.request_timeout <= 0):
         raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 1 and "
-                         f"rollout.request_timeout={r.request_timeout} null (derived from max_new_tokens) or > 0")
+                         f"rollout.request_timeout={r.request_timeout} null (no total timeout) or > 0")
+    if r.stall_timeout is not None and not r.stall_timeout > 0:
+        raise ValueError(f"rollout.stall_timeout={r.stall_timeout}: seconds > 0, or null for no watchdog "
+                         "(then rollout.request_timeout, or one derived from max_new_tokens, bounds each request)")
     if cfg.learner.max_tokens_per_micro_batch < 0:
         raise ValueError(f"learner.max_tokens_per_micro_batch={cfg.learner.max_tokens_per_micro_batch}; "
                          "valid: 0 (micro_batch_size sequences per micro-batch) or a positive token budget")

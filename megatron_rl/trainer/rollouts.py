@@ -153,7 +153,8 @@ class Rollouts:
         if lane is None:
             r = self.cfg.rollout
             eos = self._eos_token_ids() if r.partial_rollouts else ()
-            client = RolloutClient(self._servers, request_timeout=r.request_timeout, moe_topk=self.moe_topk,
+            client = RolloutClient(self._servers, request_timeout=r.request_timeout, stall_timeout=r.stall_timeout,
+                                   moe_topk=self.moe_topk,
                                    num_experts=self.num_experts, max_inflight_per_server=r.max_inflight_per_server,
                                    continue_aborted=r.partial_rollouts, eos_token_ids=eos)
             lane = self._lanes.lane = (client, asyncio.new_event_loop())

@@ -45,7 +45,7 @@ OPERATIONAL = (
     "model.base.cache_dir",
     "rollout.placement", "rollout.server_urls", "rollout.num_servers", "rollout.gpu_ids",
     "rollout.max_total_tokens", "rollout.mem_fraction_static", "rollout.extra_server_args",
-    "rollout.request_timeout", "rollout.max_inflight_per_server",
+    "rollout.request_timeout", "rollout.stall_timeout", "rollout.max_inflight_per_server",
     "reward_model.server_urls", "reward_model.num_servers", "reward_model.max_total_tokens",
     "reward_model.mem_fraction_static",
     "data.reward_workers", "data.reward_timeout",

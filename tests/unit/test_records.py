@@ -12,6 +12,7 @@ answers are checked against HF in tests/e2e/test_sglang_rollout.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import base64
 
@@ -344,8 +345,13 @@ class FakeSGLang:
     the answer to sample (i, j) (read from the rid the client sends), `hold[(i, j)]` is awaited
     first. Counts requests and the most requests in flight at once."""
 
-    def __init__(self, mutate=None, hold=None, delay=0.0, body=None, script=None):
+    def __init__(self, mutate=None, hold=None, delay=0.0, body=None, script=None, capacity=None, hung=False):
         self.mutate, self.hold, self.delay, self.body = mutate or {}, hold or {}, delay, body
+        # capacity: requests decoded at once (the rest queue inside the server, as in SGLang's
+        # waiting queue); hung: accepts requests and never answers them, nor /v1/loads.
+        self.capacity = None if capacity is None else asyncio.Semaphore(capacity)
+        self.hung, self.load_probes = hung, 0
+        self._unhang = asyncio.Event()  # set on exit: the server's handlers end (its cleanup waits for them)
         # script[(i, j)]: the answers to that sample's successive requests, each (T, finish,
         # weight version, last token or None[, mutation of the answer]); then the default
         # (7 tokens, "length", "7").
@@ -365,9 +371,15 @@ class FakeSGLang:
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
+            if self.hung:
+                await self._unhang.wait()
             if key in self.hold:
                 await self.hold[key]()
-            await asyncio.sleep(self.delay)
+            if self.capacity is not None:
+                async with self.capacity:
+                    await asyncio.sleep(self.delay)
+            else:
+                await asyncio.sleep(self.delay)
         finally:
             self.inflight -= 1
         if self.body is not None:
@@ -399,6 +411,14 @@ class FakeSGLang:
 
         return web.json_response({})
 
+    async def loads(self, request):  # the scheduler's answer (SGLang's /v1/loads)
+        from aiohttp import web
+
+        self.load_probes += 1
+        if self.hung:
+            await self._unhang.wait()
+        return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.inflight}]})
+
     async def __aenter__(self):
         from aiohttp import web
 
@@ -406,6 +426,7 @@ class FakeSGLang:
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.abort_request)  # a timed-out server is probed
+        app.router.add_get("/v1/loads", self.loads)  # the stall watchdog's probe
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -414,6 +435,7 @@ class FakeSGLang:
         return self
 
     async def __aexit__(self, *exc):
+        self._unhang.set()
         await self.runner.cleanup()
 
 
@@ -520,7 +542,7 @@ def test_request_timeout_derived_from_max_new_tokens(monkeypatch):
         if len(calls) == 1:
             await asyncio.sleep(2)
 
-    out, client = _run(FakeSGLang(hold={(0, 1): slow_once}))
+    out, client = _run(FakeSGLang(hold={(0, 1): slow_once}), client_kw=dict(stall_timeout=None))
     assert len(calls) == 2 and [e.reason for e in client.retry_events] == ["no answer within 1s"]
     assert out[0][1].sample_index == 1
 
@@ -656,3 +678,47 @@ def test_requests_past_every_slot_spread_over_the_servers():
     assert all(s.max_inflight == 2 for s in servers)
     assert not any(client._assigned.values())  # every attempt given back
     print(f"40 samples over 4 servers x 2 slots at 0.2 s each: {wall:.2f} s (ideal 1.0 s)")
+
+
+def _timed(servers, n, **client_kw):
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            for srv in servers:
+                await stack.enter_async_context(srv)
+            async with RolloutClient([srv.url for srv in servers], backoff_initial=0.05, **client_kw) as client:
+                start = time.monotonic()
+                out = await client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=7), n=n)
+                return out, time.monotonic() - start, client
+    return asyncio.run(go())
+
+
+def test_a_request_queued_on_a_busy_server_is_not_timed_out():
+    """A server decoding one request at a time, 0.2 s each, 6 samples: the last waits 1.0 s in its
+    queue. A total timeout of 0.6 s counts that wait: requests are aborted and retried, the healthy
+    server is marked down, and the call fails (2 attempts here). The stall watchdog (probing every
+    0.1 s) sees the server answer and leaves them alone: each sample sent once, nothing marked down."""
+    with pytest.raises(RolloutError, match="failed 2 times.*no answer within 1s"):
+        _timed([FakeSGLang(delay=0.2, capacity=1)], 6, stall_timeout=None, request_timeout=0.6, max_attempts=2)
+    server = FakeSGLang(delay=0.2, capacity=1)
+    out, wall, client = _timed([server], 6, stall_timeout=0.4)
+    assert [r.sample_index for r in out[0]] == list(range(6))
+    assert len(server.requests) == 6 and not client.retry_events and not client._down
+    assert server.load_probes >= 8  # watched throughout (every 0.1 s), and it answered
+    assert 1.1 < wall < 3, wall
+
+
+def test_a_hung_server_is_found_by_its_silence_and_its_requests_finish_elsewhere():
+    """Server 0 accepts requests and never answers, nor its load probe; server 1 is healthy. With
+    no total timeout, the watchdog gives up on server 0 after stall_timeout of silence: its requests
+    are retried on server 1, each sample is delivered once, server 0 is marked down."""
+    hung, healthy = FakeSGLang(hung=True), FakeSGLang(delay=0.05)
+    out, wall, client = _timed([hung, healthy], 6, stall_timeout=1.0)
+    assert [r.sample_index for r in out[0]] == list(range(6))
+    assert len(hung.requests) == 3 and len(healthy.requests) == 6  # 3 first tries there, 3 retries + 3
+    assert sorted(rid.rsplit("-", 1)[1] for rid in healthy.requests) == ["a0"] * 3 + ["a1"] * 3
+    assert {e.url for e in client.retry_events} == {hung.url} and len(client.retry_events) == 3
+    assert all("no sign of life for 1s (stall_timeout)" in e.reason for e in client.retry_events)
+    assert hung.url in client._down
+    assert 1.0 < wall < 4, wall
+    with pytest.raises(ValueError, match="stall_timeout"):
+        RolloutClient(["http://x"], stall_timeout=0)
