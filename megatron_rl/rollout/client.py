@@ -44,7 +44,9 @@ scheduler for its load (`/v1/loads`, answered between two forward batches) every
 `stall_timeout / 4` s (at most 10 s). A server that gives no answer for `stall_timeout` seconds
 (hung or dead: its HTTP front or its scheduler stuck) is marked down, its requests are aborted
 there (best effort) and retried elsewhere; a request that waits in a busy server's queue, however
-long, is never retried for it and never marks the server down. With the watchdog on, generation
+long, is never retried for it and never marks the server down. A scheduler loading weights answers
+nothing until it is done, so `stall_timeout` must exceed the longest weight push (600 s by default,
+against 2348 s of total timeout for a 16k-token request before). With the watchdog on, generation
 requests have no total timeout unless `request_timeout` sets one (then a request not answered
 within it, queueing included, is aborted and retried). With `stall_timeout=None` (no watchdog)
 `request_timeout=None` derives the total timeout from each call's budget:
@@ -174,7 +176,7 @@ KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
 CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
 TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
-STALL_TIMEOUT_S = 180.0  # default: seconds a busy server may give no sign of life (module docstring)
+STALL_TIMEOUT_S = 600.0  # default: seconds a busy server may give no sign of life (module docstring)
 NO_TIMEOUT = math.inf  # a request timeout that never fires (ServerAPI)
 
 
