@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -42,6 +43,7 @@ from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.trainer.prompts import Prompt
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES
+from megatron_rl.weights.endpoint import ServersUnreachable
 from megatron_rl.weights.push import push_weights
 
 
@@ -435,7 +437,25 @@ class Rollouts:
             # Writing the HF checkpoint is a collective; only rank 0 talks to the servers.
             self.transport = DiskWeightSync([], Path(self.cfg.trainer.out_dir) / "weights_for_servers")
         start = time.perf_counter()
-        stats = push_weights(learner, self.transport, weight_version=version)
+        for attempt in range(3):
+            try:
+                stats = push_weights(learner, self.transport, weight_version=version)
+                break
+            except ServersUnreachable as e:
+                # A server died after the check above and before this push sent anything (the
+                # driver's export has not started: the other ranks wait in its first collective):
+                # restart it, form the update group again, push again.
+                if self.manager is None or attempt == 2:
+                    raise
+                logging.getLogger(__name__).warning(
+                    "weight push %s: a server is gone (%s); restarting it and pushing again", version, e)
+                deadline = time.monotonic() + 30
+                while not self.manager.restart_dead() and time.monotonic() < deadline:
+                    time.sleep(0.2)  # the killed process is not reaped yet
+                self._restarts_seen = len(self.manager.restart_events)
+                if hasattr(self.transport, "close"):
+                    self.transport.close()
+                self.transport = self._make_transport(learner)
         if dist.is_initialized():
             dist.barrier()
         out = {"time/weight_sync": time.perf_counter() - start}

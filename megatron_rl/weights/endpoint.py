@@ -16,6 +16,11 @@ class WeightSyncError(RuntimeError):
     pass
 
 
+class ServersUnreachable(WeightSyncError):
+    """A push found a server gone before it sent anything: restarting the server and pushing again
+    (to a re-formed update group) loses nothing."""
+
+
 @dataclass(frozen=True)
 class ServerEndpoint:
     url: str  # e.g. http://127.0.0.1:30000

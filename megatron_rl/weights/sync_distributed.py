@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.weights.buckets import bucketize
-from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError
+from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError
 
 
 class DistributedWeightSync:
@@ -40,6 +40,25 @@ class DistributedWeightSync:
     def _all(self, path: str, payload: dict) -> list[dict]:
         futures = [self._pool.submit(s.post, path, payload, self.timeout_s) for s in self.servers]
         return [f.result() for f in futures]
+
+    def _begin(self) -> None:
+        """begin_weight_update on every server; one that fails (gone) ends the others' and raises
+        ServersUnreachable: nothing was sent and the caller's tensors are untouched."""
+        futures = [self._pool.submit(s.post, "/begin_weight_update", {}, self.timeout_s) for s in self.servers]
+        failed = []
+        for s, f in zip(self.servers, futures):
+            try:
+                f.result()
+            except WeightSyncError as e:
+                failed.append((s, e))
+        if failed:
+            for s, f in zip(self.servers, futures):
+                if all(s is not bad for bad, _ in failed):
+                    try:
+                        s.post("/end_weight_update", {}, self.timeout_s)
+                    except WeightSyncError:
+                        pass
+            raise ServersUnreachable("; ".join(str(e) for _, e in failed))
 
     def connect(self) -> None:
         """Form the group: the servers join over HTTP while this process joins as rank 0."""
@@ -67,7 +86,7 @@ class DistributedWeightSync:
         if self.group is None:
             raise WeightSyncError("DistributedWeightSync.push before connect()")
         start, nbytes, nbuckets = time.perf_counter(), 0, 0
-        self._all("/begin_weight_update", {})
+        self._begin()
         try:
             for bucket in bucketize(named_tensors, self.bucket_bytes):
                 flat = bucket.flatten().to(self.device)

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_rl.weights.buckets import bucketize
-from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError
+from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError
 
 
 def serialize_handles(obj) -> str:
@@ -42,8 +42,18 @@ class TensorWeightSync:
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None = None) -> dict:
         start, nbytes, nbuckets = time.perf_counter(), 0, 0
+        begun = []
         for s in self.servers:
-            s.post("/begin_weight_update", {}, self.timeout_s)
+            try:
+                s.post("/begin_weight_update", {}, self.timeout_s)
+            except WeightSyncError as e:  # nothing sent yet, and `named_tensors` untouched
+                for other in begun:
+                    try:
+                        other.post("/end_weight_update", {}, self.timeout_s)
+                    except WeightSyncError:
+                        pass
+                raise ServersUnreachable(str(e)) from e
+            begun.append(s)
         try:
             for bucket in bucketize(named_tensors, self.bucket_bytes):
                 if any(t.is_cuda for t in bucket.tensors):
