@@ -450,7 +450,8 @@ class RolloutClient:
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
-            await asyncio.gather(self._watchdog, return_exceptions=True)
+            if self._watchdog.get_loop() is asyncio.get_running_loop():
+                await asyncio.gather(self._watchdog, return_exceptions=True)
             self._watchdog = None
         if self._session is not None:
             await self._session.close()
@@ -510,8 +511,9 @@ class RolloutClient:
         """`request` to `url`, given up (`_Stalled`) as soon as the watchdog finds `url` hung."""
         if self.stall_timeout is None:
             return await request
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = asyncio.ensure_future(self._watch())
+        loop = asyncio.get_running_loop()
+        if self._watchdog is None or self._watchdog.done() or self._watchdog.get_loop() is not loop:
+            self._watchdog = loop.create_task(self._watch())  # one per client, on its event loop
         stalled = self._stalled.setdefault(url, asyncio.Event())
         task = asyncio.ensure_future(request)
         waiter = asyncio.ensure_future(stalled.wait())
