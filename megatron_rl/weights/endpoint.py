@@ -7,18 +7,39 @@ Kept to plain HTTP+JSON so the transports do not depend on the async rollout cli
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
 
 class WeightSyncError(RuntimeError):
-    pass
+    def __init__(self, message: str, unreachable: bool = False):
+        super().__init__(message)
+        self.unreachable = unreachable  # no answer at all (connection refused, reset, timed out)
 
 
 class ServersUnreachable(WeightSyncError):
     """A push found a server gone before it sent anything: restarting the server and pushing again
     (to a re-formed update group) loses nothing."""
+
+
+STALE_SESSION = "a weight-update session is already open"
+
+
+def begin_update(server: "ServerEndpoint", timeout: float) -> dict:
+    """/begin_weight_update. A session left open by a pusher that stopped between begin and end (a
+    trainer killed or preempted mid-push, its servers still up) is ended first: SGLang refuses a
+    second begin, and the weights this push sends replace whatever that one had loaded."""
+    try:
+        return server.post("/begin_weight_update", {}, timeout)
+    except WeightSyncError as e:
+        if STALE_SESSION not in str(e):
+            raise
+    logging.getLogger(__name__).warning("%s: a weight update was left open (its pusher stopped mid-push); "
+                                        "ending it and beginning this one", server.url)
+    server.post("/end_weight_update", {}, timeout)
+    return server.post("/begin_weight_update", {}, timeout)
 
 
 @dataclass(frozen=True)
@@ -44,7 +65,7 @@ class ServerEndpoint:
         except urllib.error.HTTPError as e:
             raise WeightSyncError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
         except (urllib.error.URLError, OSError) as e:
-            raise WeightSyncError(f"{self.url}{path}: {e}") from None
+            raise WeightSyncError(f"{self.url}{path}: {e}", unreachable=True) from None
         try:
             out = json.loads(body) if body else {}
         except json.JSONDecodeError:  # some admin routes (e.g. /flush_cache) answer in plain text

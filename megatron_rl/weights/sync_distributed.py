@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.weights.buckets import bucketize
-from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError
+from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError, begin_update
 
 
 class DistributedWeightSync:
@@ -42,9 +42,10 @@ class DistributedWeightSync:
         return [f.result() for f in futures]
 
     def _begin(self) -> None:
-        """begin_weight_update on every server; one that fails (gone) ends the others' and raises
-        ServersUnreachable: nothing was sent and the caller's tensors are untouched."""
-        futures = [self._pool.submit(s.post, "/begin_weight_update", {}, self.timeout_s) for s in self.servers]
+        """begin_weight_update on every server. One that does not answer (gone) ends the others' and
+        raises ServersUnreachable: nothing was sent and the caller's tensors are untouched; another
+        failure ends them and raises as it is."""
+        futures = [self._pool.submit(begin_update, s, self.timeout_s) for s in self.servers]
         failed = []
         for s, f in zip(self.servers, futures):
             try:
@@ -58,7 +59,10 @@ class DistributedWeightSync:
                         s.post("/end_weight_update", {}, self.timeout_s)
                     except WeightSyncError:
                         pass
-            raise ServersUnreachable("; ".join(str(e) for _, e in failed))
+            message = "; ".join(str(e) for _, e in failed)
+            if all(e.unreachable for _, e in failed):
+                raise ServersUnreachable(message, unreachable=True)
+            raise WeightSyncError(message)
 
     def connect(self) -> None:
         """Form the group: the servers join over HTTP while this process joins as rank 0."""

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_rl.weights.buckets import bucketize
-from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError
+from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, WeightSyncError, begin_update
 
 
 def serialize_handles(obj) -> str:
@@ -45,14 +45,16 @@ class TensorWeightSync:
         begun = []
         for s in self.servers:
             try:
-                s.post("/begin_weight_update", {}, self.timeout_s)
+                begin_update(s, self.timeout_s)
             except WeightSyncError as e:  # nothing sent yet, and `named_tensors` untouched
                 for other in begun:
                     try:
                         other.post("/end_weight_update", {}, self.timeout_s)
                     except WeightSyncError:
                         pass
-                raise ServersUnreachable(str(e)) from e
+                if e.unreachable:
+                    raise ServersUnreachable(str(e), unreachable=True) from e
+                raise
             begun.append(s)
         try:
             for bucket in bucketize(named_tensors, self.bucket_bytes):

@@ -15,13 +15,26 @@ from megatron_rl.weights.sync_tensor import TensorWeightSync
 
 
 class Endpoint:
-    def __init__(self, url: str, gone: bool = False):
-        self.url, self.gone, self.tp_size, self.calls = url, gone, 1, []
+    """SGLang's weight-update session rules (scheduler_components/weight_updater.py): one open
+    session at a time."""
+
+    def __init__(self, url: str, gone: bool = False, open_session: bool = False):
+        self.url, self.gone, self.tp_size, self.calls, self.open = url, gone, 1, [], open_session
 
     def post(self, path, payload=None, timeout=600.0):
         if self.gone:
-            raise WeightSyncError(f"{self.url}{path}: <urlopen error [Errno 111] Connection refused>")
+            raise WeightSyncError(f"{self.url}{path}: <urlopen error [Errno 111] Connection refused>",
+                                  unreachable=True)
         self.calls.append(path)
+        if path == "/begin_weight_update":
+            if self.open:
+                raise WeightSyncError(f"{self.url}{path}: a weight-update session is already open; "
+                                      "call end_weight_update() first")
+            self.open = True
+        elif path == "/end_weight_update":
+            if not self.open:
+                raise WeightSyncError(f"{self.url}{path}: no weight-update session is open")
+            self.open = False
         return {"success": True}
 
 
@@ -44,3 +57,33 @@ def test_a_server_gone_at_begin_raises_before_anything_is_sent(kind):
     assert consumed == []  # the export was not started: the other ranks wait in its first collective
     assert live.calls == ["/begin_weight_update", "/end_weight_update"]
     assert issubclass(ServersUnreachable, WeightSyncError)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "tensor"])
+def test_a_session_left_open_by_a_killed_pusher_is_ended_first(kind):
+    """A trainer killed between begin and end leaves its (still running) server's session open; the
+    next push ends it and goes on (it failed every later run on that server before)."""
+    stale, fresh = Endpoint("http://a:1", open_session=True), Endpoint("http://b:2")
+    t = (TensorWeightSync([stale, fresh]) if kind == "tensor"
+         else DistributedWeightSync([stale, fresh], master_addr="127.0.0.1", master_port=1))
+    if kind == "distributed":
+        t._begin()
+    else:
+        from megatron_rl.weights import sync_tensor
+
+        for s in (stale, fresh):
+            sync_tensor.begin_update(s, 1.0)
+    assert stale.calls == ["/begin_weight_update", "/end_weight_update", "/begin_weight_update"]
+    assert fresh.calls == ["/begin_weight_update"] and stale.open and fresh.open
+
+
+def test_a_refusal_is_not_taken_for_a_gone_server():
+    class Refusing(Endpoint):
+        def post(self, path, payload=None, timeout=600.0):
+            raise WeightSyncError(f"{self.url}{path}: HTTP 400: weight updates are disabled")
+
+    t = DistributedWeightSync([Endpoint("http://a:1"), Refusing("http://b:2")], master_addr="127.0.0.1",
+                              master_port=1)
+    with pytest.raises(WeightSyncError, match="disabled") as e:
+        t._begin()
+    assert not isinstance(e.value, ServersUnreachable)  # the trainer would restart nothing and retry in vain
