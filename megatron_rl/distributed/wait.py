@@ -49,6 +49,21 @@ def _print(text: str) -> None:
     print(f"[megatron-rl] rank {rank}: {text}", flush=True)
 
 
+def _checked_store(who: str, store: Optional[dist.Store], **seconds: float) -> dist.Store:
+    """Refuse non-positive durations (naming `who` and the argument); the store to use: `store`, or a
+    clone of the default process group's (a connection of its own, so posting from another thread
+    cannot interleave with torch's own use of the store)."""
+    for name, value in seconds.items():
+        if not value > 0:
+            raise ValueError(f"{who} {name}={value!r}: must be a positive number of seconds")
+    if store is not None:
+        return store
+    if not dist.is_initialized():
+        raise RuntimeError(f"{who} needs torch.distributed initialised (it uses the default process group's "
+                           "store); a single process has no one to wait for")
+    return dist.distributed_c10d._get_default_store().clone()
+
+
 class LeaderSignal:
     """Progress, completion and failure of a leader's job, posted on the c10d store, awaited by polling.
 
@@ -64,14 +79,7 @@ class LeaderSignal:
     def __init__(self, prefix: str, *, timeout_s: float, log_every_s: float, poll_s: float = 0.5,
                  log: Callable[[str], None] = _print, timeout_name: str = "timeout_s",
                  store: Optional[dist.Store] = None):
-        for name, value in (("timeout_s", timeout_s), ("log_every_s", log_every_s), ("poll_s", poll_s)):
-            if not value > 0:
-                raise ValueError(f"LeaderSignal {name}={value!r}: must be a positive number of seconds")
-        if store is None:
-            if not dist.is_initialized():
-                raise RuntimeError("LeaderSignal needs torch.distributed initialised (it uses the default "
-                                   "process group's store); a single process has no one to wait for")
-            store = dist.distributed_c10d._get_default_store().clone()
+        store = _checked_store("LeaderSignal", store, timeout_s=timeout_s, log_every_s=log_every_s, poll_s=poll_s)
         self.prefix = prefix.strip("/")
         self.timeout_s, self.log_every_s, self.poll_s = float(timeout_s), float(log_every_s), float(poll_s)
         self.timeout_name = timeout_name
@@ -202,14 +210,7 @@ class StoreMeeting:
     def __init__(self, prefix: str, rank: int, size: int, *, timeout_s: float, log_every_s: float,
                  poll_s: float = 0.5, log: Callable[[str], None] = _print, timeout_name: str = "timeout_s",
                  store: Optional[dist.Store] = None, what: str = "rank"):
-        for name, value in (("timeout_s", timeout_s), ("log_every_s", log_every_s), ("poll_s", poll_s)):
-            if not value > 0:
-                raise ValueError(f"StoreMeeting {name}={value!r}: must be a positive number of seconds")
-        if store is None:
-            if not dist.is_initialized():
-                raise RuntimeError("StoreMeeting needs torch.distributed initialised (it uses the default "
-                                   "process group's store)")
-            store = dist.distributed_c10d._get_default_store().clone()
+        store = _checked_store("StoreMeeting", store, timeout_s=timeout_s, log_every_s=log_every_s, poll_s=poll_s)
         self.prefix, self.rank, self.size, self.what = prefix.strip("/"), rank, size, what
         self.timeout_s, self.log_every_s, self.poll_s = float(timeout_s), float(log_every_s), float(poll_s)
         self.timeout_name, self.log = timeout_name, log
