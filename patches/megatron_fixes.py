@@ -16,13 +16,16 @@
   cost landed on every process's first checkpoint. A synchronous save
   (`AsyncSaveShardedStrategy.save`: `async_save`, then `execute_sync` in the calling process; the
   only kind this project makes) puts and gets in the calling process, so inside one the queue is a
-  plain in-process queue. Asynchronous saves keep upstream's Manager queue.
+  plain in-process queue (`synchronous_save()`, also used by trainer/checkpoint.py when it runs a
+  save's write in the calling process). Asynchronous saves keep upstream's Manager queue.
 """
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
+from typing import Iterator
 
 from patches._guard import pinned, require_version
 
@@ -41,13 +44,21 @@ def define_missing_te_names() -> None:
             setattr(moe_utils, name, None)
 
 
+@contextlib.contextmanager
+def synchronous_save() -> Iterator[None]:
+    """Inside it, a save's write results travel through an in-process queue: for callers that run an
+    AsyncRequest's write in this process themselves (trainer/checkpoint.py's synchronous saves)."""
+    _sync.depth = getattr(_sync, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _sync.depth -= 1
+
+
 def _sync_save(save):
     def wrapper(self, sharded_state_dict, checkpoint_dir):
-        _sync.depth = getattr(_sync, "depth", 0) + 1
-        try:
+        with synchronous_save():
             return save(self, sharded_state_dict, checkpoint_dir)
-        finally:
-            _sync.depth -= 1
 
     wrapper._megatron_rl_fixed = True
     return wrapper

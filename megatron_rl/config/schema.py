@@ -261,6 +261,9 @@ class TrainerConfig:
     rollouts_dir: Optional[str] = None  # rollout_only writes / train_only reads here (default out_dir/rollouts)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
     keep_checkpoints: int = 2  # newest checkpoints kept
+    async_save: bool = False  # write checkpoints while training goes on (shards staged in host memory, a forked writer per rank; trainer/checkpoint.py); false: the step waits for the write
+    time_limit: Optional[float] = None  # seconds this run may take from its start; before a step (plus a save) that would not finish in time it checkpoints and exits with code 75 (the sbatch requeues); None: the Slurm job's end time (squeue, re-read as it changes), no limit outside Slurm; 0: off
+    time_limit_margin: float = 180.0  # seconds kept free before the time limit (exit, server stop, requeue)
     resume: bool = True  # resume from the newest checkpoint in out_dir/checkpoints (false: start over, replacing them)
     allow_config_change: bool = False  # resume a checkpoint written with other experiment settings (algorithm, model, data, layout, mode, ...); false: such a resume is an error naming them (trainer/run_dir.py)
     progress: bool = True  # live progress display on rank 0 (a plain line per step when not a TTY)

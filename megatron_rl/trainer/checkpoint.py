@@ -13,13 +13,23 @@ A checkpoint is a folder `<out_dir>/checkpoints/step_<N>` holding
 It is written to `step_<N>.tmp` and renamed only when every rank has finished; the file `latest`
 is then replaced atomically. A crash mid-write therefore leaves the previous checkpoint intact, and
 `latest_checkpoint` never returns a partial one. Older checkpoints beyond `keep` are removed.
+
+`Checkpointer` writes them, synchronously or (`trainer.async_save`) while training goes on, and ends
+every rank within seconds, naming the rank, when a save fails on any one of them (see there).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import multiprocessing as mp
 import os
+import queue
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -93,16 +103,6 @@ def _sharded_state(learner, is_loading: bool) -> dict[str, Any]:
     return state
 
 
-def _save_learner(learner, folder: Path, extra_state: Optional[dict[str, Any]] = None) -> None:
-    from megatron.core import dist_checkpointing
-
-    state = _sharded_state(learner, is_loading=False)
-    state["scheduler"] = learner.scheduler.state_dict()
-    if extra_state is not None:
-        state["trainer"] = dict(extra_state)
-    dist_checkpointing.save(state, str(folder))
-
-
 def _load_learner(learner, folder: Path, with_trainer_state: bool = False) -> Optional[dict[str, Any]]:
     from megatron.core import dist_checkpointing
 
@@ -135,43 +135,318 @@ def load_model_weights(chunks: list[torch.nn.Module], path: str | Path) -> None:
         chunk.load_state_dict(loaded[f"model{i}"])
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, on this rank or another (named in the message)."""
+
+
+class _WriteFailed(OSError):
+    """This rank's shard writer reported an error (its text: the writer's exception)."""
+
+
+@dataclasses.dataclass
+class _Save:
+    """A save whose shards are being written (by a writer process, or inline)."""
+
+    step: int
+    tmp: Path
+    final: Path
+    requests: list  # megatron-core AsyncRequests: the policy's, then each other model's
+    started: float  # time.monotonic() when the save was asked for
+    blocked_s: float  # seconds the caller was held up so far
+    process: Optional[Any] = None  # the forked writer (asynchronous saves)
+    written_s: Optional[float] = None  # seconds from the start until this rank's shards were on disk
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_shards(requests: list) -> None:
+    """This rank's shard files of every request (megatron-core's writer, its own worker processes):
+    in a forked writer process for an asynchronous save, inline for a synchronous one. The outcome
+    goes to each request's results queue."""
+    for req in requests:
+        if req.async_fn is not None:
+            req.async_fn(*req.async_fn_args, **req.async_fn_kwargs)
+
+
+def _forked_writer(requests: list) -> None:
+    gc.disable()  # a collection in the fork could free the parent's CUDA tensors (megatron-core does the same)
+    _write_shards(requests)
+
+
+def _staged(req):
+    """`req` with its tensors staged in host memory (GPU -> CPU copies; CPU tensors as they are, which a
+    forked writer sees as they were at the fork)."""
+    if req.preload_fn is None:
+        return req
+    args = list(req.async_fn_args)
+    args[1] = req.preload_fn()
+    return req._replace(async_fn_args=tuple(args), preload_fn=None)
+
+
+def _write_result(req, writer) -> Optional[str]:
+    """What went wrong with this rank's write of `req` (None: nothing). The result stays in the queue
+    for megatron-core's finalization, which reads it again."""
+    if req.async_fn is None:
+        return None
+    results = req.async_fn_args[2]
+    try:
+        result = results.get(timeout=30 if writer is not None else 0.1)
+    except queue.Empty:
+        code = writer.exitcode if writer is not None else None
+        return f"the shard writer left no result (writer process exit code {code})"
+    results.put(result)
+    if isinstance(result, BaseException):
+        return f"{type(result).__name__}: {result}"
+    return None
+
+
+class Checkpointer:
+    """Collective: every learner rank makes the same calls in the same order.
+
+    `save` writes a checkpoint (the layout in the module docstring) into `step_<N>.tmp`; it becomes
+    `step_<N>` and `latest` only once every rank's shards are on disk, so the previous checkpoint stays
+    the one a resume finds until then. With `async_save`, `save` returns once the shards are staged in
+    host memory (GPU -> CPU copies; nothing to copy on CPU) and a forked writer process writes them
+    while training goes on; `poll()` (at every step boundary) finishes a save whose writers are all
+    done, and `wait()` finishes one whatever it takes (before the next save and before exiting).
+    Megatron-core's own asynchronous save path (`dist_checkpointing.save(async_sharded_save=True)`)
+    plans and finalizes it; what this class adds is the order of the files and how a failure ends.
+
+    **A failure on any rank ends every rank within seconds, naming it.** The ranks are often inside
+    a collective when one of them fails (its peers wait in the all-reduce that asks whether every
+    writer is done, or in megatron-core's gathers), and would sit there until the process group's
+    timeout (30 minutes). The failing rank posts its error on the c10d store (`<name>/failed/<r>`)
+    and raises CheckpointError; the others raise the same at the next meeting on the store, and a
+    watcher thread, running while a save is in progress, ends a rank that is stuck in a collective
+    (after `grace_s`, so that one about to raise does so itself) with a line naming the failed rank
+    and its error. Because the c10d store lives on global rank 0, its disappearance counts as rank
+    0's failure.
+    """
+
+    def __init__(self, out_dir: str | Path, keep: int = 2, async_save: bool = False,
+                 device: torch.device | str = "cpu", timeout_s: float = 1800.0, log_every_s: float = 300.0,
+                 grace_s: float = 5.0, log: Callable[[str], None] = print, name: str = "checkpoint"):
+        self.root = checkpoints_root(out_dir)
+        self.keep, self.async_save, self.device = keep, bool(async_save), torch.device(device)
+        self.grace_s, self.log = float(grace_s), log
+        distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world = dist.get_world_size() if distributed else 1
+        self.pending: Optional[_Save] = None
+        self.last: dict[str, float] = {}  # the last finished save: blocked_s, written_s, total_s
+        self.blocked_total_s = 0.0  # seconds the callers were held up by saves, all saves together
+        self._meeting = self._watch_store = None
+        if self.world > 1:
+            from megatron_rl.distributed.wait import StoreMeeting, _checked_store
+
+            self._meeting = StoreMeeting(name, self.rank, self.world, timeout_s=timeout_s,
+                                         log_every_s=log_every_s, poll_s=0.1, timeout_name="trainer.collective_timeout")
+            self._watch_store = _checked_store("Checkpointer", None)
+        self._watching: Optional[threading.Event] = None
+
+    # -- the save --------------------------------------------------------------------------------
+    def save(self, learner, step: int, trainer_state: dict[str, Any], others: Optional[dict[str, Any]] = None,
+             extra: Optional[Callable[[Path], None]] = None) -> Path:
+        """Start (asynchronous) or write (synchronous) the checkpoint of `step`. `others`: {name:
+        learner} saved in `<name>/`. `extra(folder)`: each rank writes its own files into the
+        checkpoint before it is made final (e.g. the rollout producer's queued shares). Returns the
+        folder the checkpoint will have."""
+        from megatron.core import dist_checkpointing
+
+        from patches.megatron_fixes import synchronous_save
+
+        waited = self.wait() if self.pending is not None else 0.0  # one save in flight at a time
+        start = time.monotonic()
+        final, tmp = self.root / f"{PREFIX}{step:08d}", self.root / f"{PREFIX}{step:08d}.tmp"
+        self._watch(step)
+        requests = []
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            _barrier()
+            with contextlib.ExitStack() as stack:
+                if not self.async_save:
+                    stack.enter_context(synchronous_save())
+                state = _sharded_state(learner, is_loading=False)
+                state["scheduler"] = learner.scheduler.state_dict()
+                state["trainer"] = dict(trainer_state)
+                requests.append(dist_checkpointing.save(state, str(tmp), async_sharded_save=True))
+                for name, other in (others or {}).items():
+                    # Made after the policy's save: dist_checkpointing warns about a non-empty folder.
+                    if self.rank == 0:
+                        (tmp / name).mkdir()
+                    _barrier()
+                    state = _sharded_state(other, is_loading=False)
+                    state["scheduler"] = other.scheduler.state_dict()
+                    requests.append(dist_checkpointing.save(state, str(tmp / name), async_sharded_save=True))
+                (tmp / "rng").mkdir(exist_ok=True)
+                torch.save(_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+                if extra is not None:
+                    extra(tmp)
+                requests = [_staged(r) for r in requests]
+                job = _Save(step, tmp, final, requests, start - waited, waited)
+                if self.async_save:
+                    ctx = mp.get_context("fork")
+                    job.process = ctx.Process(target=_forked_writer, args=(requests,), name=f"checkpoint-{step}")
+                    job.process.start()
+                else:
+                    _write_shards(requests)
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            self._fail(step, e)
+        job.blocked_s += time.monotonic() - start
+        self.blocked_total_s += time.monotonic() - start
+        self.pending = job
+        if not self.async_save:
+            self.poll(blocking=True)
+        return final
+
+    def poll(self, blocking: bool = False) -> bool:
+        """Collective. Finish the pending save if every rank's shards are written (or, `blocking`,
+        once they are); True when no save is pending any more."""
+        job = self.pending
+        if job is None:
+            return True
+        start = time.monotonic()
+        try:
+            if blocking and job.process is not None:
+                job.process.join()
+            done = job.process is None or not job.process.is_alive()
+            failed = None
+            if done and job.written_s is None:
+                job.written_s = time.monotonic() - job.started
+                failed = "; ".join(p for p in (_write_result(r, job.process) for r in job.requests) if p) or None
+                if failed and self._meeting is not None:
+                    self._meeting.fail(failed)  # before the all-reduce: the others read it after
+            if self.world > 1:  # every rank decides alike: all written, or someone failed
+                flags = torch.tensor([0 if done else 1, 1 if failed else 0], dtype=torch.int32, device=self.device)
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+                done, someone_failed = int(flags[0]) == 0, int(flags[1]) == 1
+                if someone_failed and not failed:
+                    self._abandon()
+                    raise CheckpointError(f"checkpoint of step {job.step} failed on {self._failures()}; the "
+                                          "previous checkpoint is intact")
+            if failed:
+                raise _WriteFailed(failed)
+            if not done:
+                self.blocked_total_s += time.monotonic() - start
+                return False
+            for req in job.requests:  # megatron-core's: the metadata file (rank 0) after a gather
+                for fn in req.finalize_fns:
+                    fn()
+            self._publish(job)
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            self._fail(job.step, e)
+        job.blocked_s += time.monotonic() - start
+        self.blocked_total_s += time.monotonic() - start
+        self.last = {"blocked_s": job.blocked_s, "written_s": job.written_s,
+                     "total_s": time.monotonic() - job.started}
+        self.pending = None
+        self._unwatch()
+        return True
+
+    def wait(self) -> float:
+        """Collective: finish the pending save (if any); return the seconds it took here."""
+        start = time.monotonic()
+        self.poll(blocking=True)
+        return time.monotonic() - start
+
+    def _publish(self, job: _Save) -> None:
+        if self.rank == 0:
+            shutil.rmtree(job.final, ignore_errors=True)
+            os.replace(job.tmp, job.final)
+            marker = self.root / "latest.tmp"
+            marker.write_text(job.final.name)
+            os.replace(marker, self.root / "latest")
+            done = sorted(p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for old in done[:-self.keep] if self.keep > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+    # -- failure ---------------------------------------------------------------------------------
+    def _meet(self, step: int, what: str) -> None:
+        """Every rank reaches this point (on the store: a rank that failed is named, not waited for)."""
+        if self._meeting is None:
+            return
+        from megatron_rl.distributed.wait import LeaderFailed
+
+        try:
+            self._meeting.meet(f"{step}/{what}")
+        except LeaderFailed as e:
+            self._unwatch()
+            raise CheckpointError(f"checkpoint of step {step}: {e}; the previous checkpoint is intact") from None
+
+    def _failures(self) -> str:
+        """The ranks that posted a failure, with their messages."""
+        store, prefix = self._watch_store, f"{self._meeting.prefix}/failed"
+        found = [f"rank {r}: {store.get(f'{prefix}/{r}').decode()}" for r in range(self.world)
+                 if store.check([f"{prefix}/{r}"])]
+        return "; ".join(found) or "another rank"
+
+    def _fail(self, step: int, error: BaseException):
+        message = str(error) if isinstance(error, _WriteFailed) else f"{type(error).__name__}: {error}"
+        if self._meeting is not None:
+            try:
+                self._meeting.fail(message)
+                if self.rank == 0 and not isinstance(error, _WriteFailed):  # the store lives here: let the
+                    # others read the message first (a write failure they learn at the all-reduce)
+                    time.sleep(2.0)
+            except Exception:
+                pass
+        self._abandon()
+        raise CheckpointError(f"checkpoint of step {step} failed on rank {self.rank}: {message}; the previous "
+                              f"checkpoint is intact") from error
+
+    def _abandon(self) -> None:
+        """Give up the pending save: its writer stops, its folder stays `.tmp` (never `latest`)."""
+        self._unwatch()
+        job, self.pending = self.pending, None
+        if job is not None and job.process is not None and job.process.is_alive():
+            job.process.kill()
+            job.process.join()
+
+    def _watch(self, step: int) -> None:
+        if self._watch_store is None:
+            return
+        stop = self._watching = threading.Event()
+        store, prefix = self._watch_store, f"{self._meeting.prefix}/failed"
+
+        def watch() -> None:
+            while not stop.wait(1.0):
+                try:
+                    failed = [r for r in range(self.world) if r != self.rank and store.check([f"{prefix}/{r}"])]
+                    if not failed:
+                        continue
+                    rank, message = failed[0], store.get(f"{prefix}/{failed[0]}").decode()
+                except dist.DistError:
+                    rank, message = 0, "the c10d store it holds is gone (the process ended)"
+                if stop.wait(self.grace_s):
+                    return  # this rank raised by itself
+                print(f"[megatron-rl] rank {self.rank}: checkpoint of step {step} failed on rank {rank}: {message}; "
+                      f"ending this rank too (it waits in a collective rank {rank} will not join); the previous "
+                      "checkpoint is intact", flush=True)
+                os._exit(1)
+
+        threading.Thread(target=watch, name="checkpoint-failure-watch", daemon=True).start()
+
+    def _unwatch(self) -> None:
+        if self._watching is not None:
+            self._watching.set()
+            self._watching = None
+
+
 def save_checkpoint(learner, out_dir: str | Path, step: int, trainer_state: dict[str, Any],
                     keep: int = 2, others: Optional[dict[str, Any]] = None,
                     extra: Optional[Callable[[Path], None]] = None) -> Path:
-    """Collective: every learner rank calls it. `others`: {name: learner} saved in `<name>/`.
-    `extra(folder)`: each rank writes its own files into the checkpoint before it is made final
-    (e.g. the rollout producer's queued shares). Returns the checkpoint folder."""
-    root = checkpoints_root(out_dir)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f"{PREFIX}{step:08d}.tmp"
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    _save_learner(learner, tmp, trainer_state)
-    for name, other in (others or {}).items():
-        # Made after the policy's save: dist_checkpointing warns about a non-empty folder.
-        if rank == 0:
-            (tmp / name).mkdir()
-        dist.barrier()
-        _save_learner(other, tmp / name)
-    (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
-    if extra is not None:
-        extra(tmp)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        marker = root / "latest.tmp"
-        marker.write_text(final.name)
-        os.replace(marker, root / "latest")
-        done = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    """Collective: a synchronous `Checkpointer.save` (see there)."""
+    return Checkpointer(out_dir, keep).save(learner, step, trainer_state, others, extra)
 
 
 def load_checkpoint(learner, path: str | Path, others: Optional[dict[str, Any]] = None) -> dict[str, Any]:

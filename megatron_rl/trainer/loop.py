@@ -56,14 +56,14 @@ from megatron_rl.algorithms.advantages import spread_over
 from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_sum
 from megatron_rl.trainer import batch as batching
 from megatron_rl.trainer.batch import RolloutBatch
-from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.trainer.checkpoint import load_checkpoint
 from megatron_rl.trainer.run_dir import (Resume, check_resume, config_text, nothing_to_do, write_checkpoint_config,
                                          write_run_config)
 from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
 from megatron_rl.trainer.prompts import PromptStream, TokenizedPrompts, load_examples, tokenize
 from megatron_rl.trainer.setup import build_models
-from megatron_rl.trainer.signals import StopRequest
+from megatron_rl.trainer.operations import REQUEUE_EXIT, REQUEUE_MARKER, Operations
 
 
 class TrainingError(RuntimeError):
@@ -250,7 +250,8 @@ class Trainer:
             moe_topk = self.learner.config.moe_router_topk if self.learner.config.num_moe_experts else None
             self.rollouts = Rollouts(cfg, ctx, self.learner.hf_path, self.tokenizer, self.out_dir, moe_topk,
                                      num_experts=self.learner.config.num_moe_experts)
-        self.stop = StopRequest(ctx.device, announce=ctx.rank == 0)
+        self.ops = Operations(t, ctx, self.out_dir, self.logger.message)  # checkpoints, time limit, stop signals
+        self.requeue = False  # stopped before the time limit: `train` exits REQUEUE_EXIT
         self.history: list[dict] = []
         self._attempt = 0
         self._restarts = 0  # steps whose rollouts were made again (a server served other weights)
@@ -286,6 +287,7 @@ class Trainer:
         if self.step == 0 and self.eval_prompts and self.rollouts is not None:
             self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
         while self.step < t.steps:
+            self.ops.step_started()
             timer = Timer()
             with timer("generate"):
                 batch, metrics = self.generate()
@@ -316,12 +318,15 @@ class Trainer:
             if self.eval_due():
                 metrics |= self.evaluate()
             self.log(metrics | timer.total())
-            stop = self.stop.requested()
-            if stop or self.step == t.steps or (t.save_every and self.step % t.save_every == 0):
+            decision = self.ops.between_steps(self.step, t.steps, t.save_every)
+            if decision.save:
                 self.save()
-            if stop:
-                self.logger.message(f"[megatron-rl] {self.stop.name()}: checkpoint at step {self.step} "
+            if decision.stop:
+                self.ops.finish()  # the checkpoint is complete before the run says so
+                why = f" ({self.ops.why})" if decision.requeue and self.ops.why else ""
+                self.logger.message(f"[megatron-rl] {decision.stop}{why}: checkpoint at step {self.step} "
                                     f"written; stopping (resume continues from it)")
+                self.requeue = decision.requeue
                 break
         self.close()
         return self.history
@@ -549,7 +554,7 @@ class Trainer:
 
     def score_with_reward_model(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Collective: the reward model scores prompt+response; its score joins the rule reward."""
-        from megatron_rl.rewards.model_rewards import combine_rewards, sequence_attention_mask
+        from megatron_rl.rewards.model_rewards import combine_rewards
 
         rm = self.cfg.reward_model
         scores = self.reward_model.score(batch)
@@ -799,8 +804,7 @@ class Trainer:
             if self.ctx.rank == 0:
                 write_checkpoint_config(self._config_text, folder)
 
-        return save_checkpoint(self.learner, self.out_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints,
-                               others=self._others(), extra=write_extra)
+        return self.ops.checkpointer.save(self.learner, self.step, state, others=self._others(), extra=write_extra)
 
     def _load_queue(self) -> list:
         """The shares a resumed checkpoint saved for this producer (none if the data-parallel size
@@ -833,7 +837,7 @@ class Trainer:
             from megatron_rl.trainer.plot import plot_run
 
             plot_run(self.out_dir)
-        self.stop.restore()
+        self.ops.finish()
 
 
 def train(cfg: JobConfig) -> list[dict]:
@@ -859,4 +863,10 @@ def train(cfg: JobConfig) -> list[dict]:
     ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)
-    return Trainer(cfg, ctx, resume).fit()
+    trainer = Trainer(cfg, ctx, resume)
+    history = trainer.fit()
+    if trainer.requeue:  # checkpointed before the time limit: the sbatch requeues
+        if ctx.rank == 0:
+            (Path(cfg.trainer.out_dir) / REQUEUE_MARKER).write_text(f"stopped at step {trainer.step}: {trainer.ops.why}\n")
+        raise SystemExit(REQUEUE_EXIT)
+    return history

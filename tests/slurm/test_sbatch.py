@@ -15,9 +15,10 @@
     pushed through the gloo process group; the servers' own request logs show every prompt
     answered exactly n times, both servers serving and both on each step's weight version;
 (f) the RL trainer as a job (shrunk tiny_cpu), DP=2 over two srun tasks, rank 0 starting SGLang
-    beside them (local placement): the uninterrupted run completes and plots its curves; preemption
-    end to end: USR1 mid-run -> checkpoint, requeue, resume; every step trained exactly once and
-    every metric equal, bit for bit, to the uninterrupted run's.
+    beside them (local placement): the uninterrupted run completes and plots its curves; a job
+    whose time limit is lowered as it starts checkpoints before the limit and requeues itself, then
+    USR1 mid-run -> checkpoint, requeue; the third attempt finishes; every step trained exactly once
+    and every metric equal, bit for bit, to the uninterrupted run's.
 (The unchanged embedded default as a 60-step job meeting the demo's accuracy bar takes 3-4 minutes
 here: benchmarks/bench_demo_slurm.py; (f) asserts the same job shape and
 tests/e2e/test_readme_byo.py the learning.)
@@ -385,11 +386,26 @@ RL_RECIPE = ["tiny_cpu", f"trainer.steps={RL_STEPS}", "rollout.prompts_per_step=
              "eval.num_prompts=8", "eval.k=1", "eval.every=4", "trainer.save_every=4", "trainer.plot=false"]
 
 
+def release(jobid: str, tmp_path: Path, restarts: int, timeout: float = 300, **update: str) -> None:
+    """Wait until the job was requeued `restarts` times and is held, then release it (after 3 s:
+    see wait_for) with `update` (e.g. TimeLimit=UNLIMITED)."""
+    wait_until(lambda: (lambda i: int(i.get("Restarts", 0)) >= restarts and i["JobState"] == "PENDING")(job(jobid)),
+               timeout, f"requeue #{restarts}", jobid, tmp_path)
+    time.sleep(3)
+    subprocess.run(["scontrol", "update", f"JobId={jobid}", "StartTime=now",
+                    *(f"{k}={v}" for k, v in update.items())], check=True)
+
+
 @pytest.mark.xfail(not _has_rl_trainer(), reason="needs the RL trainer", strict=False)
-def test_usr1_checkpoints_requeues_resumes_rl_trainer(slurm_cluster, tmp_path):
-    """USR1 mid-run -> checkpoint, requeue, resume: every step trained exactly once, and the
-    preempted run's metrics equal an uninterrupted run's, bit for bit (seeded sampling,
-    batch-invariant SGLang on CPU, exact resume)."""
+def test_time_limit_and_usr1_checkpoint_requeue_resume_rl_trainer(slurm_cluster, tmp_path):
+    """Two interruptions of one job, every step trained exactly once, and the metrics equal, bit for
+    bit, to an uninterrupted run's (seeded sampling, batch-invariant SGLang on CPU, exact resume):
+    - attempt 0: its time limit is lowered to 3 minutes as it starts (`scontrol update`, as an admin
+      would; squeue's end time is what the trainer reads). Before a step that, with a save and
+      trainer.time_limit_margin, would not fit, the ranks checkpoint and exit, and the job requeues
+      itself (USR1 is set to come only 5 s before the end, so it is not what stops this attempt);
+    - attempt 1 (no limit): USR1 mid-run -> checkpoint, exit, requeue;
+    - attempt 2 finishes."""
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
     jobid = submit(straight_dir, [o for o in RL_RECIPE if o != "trainer.plot=false"], {})  # the recipe plots
@@ -401,17 +417,30 @@ def test_usr1_checkpoints_requeues_resumes_rl_trainer(slurm_cluster, tmp_path):
     straight = rl_rows(straight_dir / "run")
 
     run = tmp_path / "run"
-    jobid = submit(tmp_path, RL_RECIPE, {})
-    wait_until(lambda: len(rl_rows(run)) >= 2, 300, "two RL steps", jobid, tmp_path)
+    # 180 s from the start, against a margin of 150 s: the ranks stop after their first step or two
+    # (server start and the first step take 30-60 s here) with about two minutes to spare.
+    jobid = submit(tmp_path, [*RL_RECIPE, "trainer.time_limit_margin=150"], {},
+                   sbatch_opts=("--nodes=1", "--ntasks=2", "--signal=B:USR1@5"))
+    wait_until(lambda: job(jobid)["JobState"] == "RUNNING", 120, "start", jobid, tmp_path)
+    subprocess.run(["scontrol", "update", f"JobId={jobid}", "TimeLimit=3"], check=True)
+    release(jobid, tmp_path, restarts=1, TimeLimit="UNLIMITED")
+    attempt0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
+    assert "time limit (" in attempt0 and "trainer.time_limit_margin=150s" in attempt0, attempt0[-3000:]
+    stopped = len(rl_rows(run))
+    assert 1 <= stopped < RL_STEPS - 2, stopped
+
+    wait_until(lambda: len(rl_rows(run)) >= stopped + 1, 300, "a step of attempt 1", jobid, tmp_path)
     subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], check=True)
+    release(jobid, tmp_path, restarts=2)
     info = wait_for(jobid, tmp_path, timeout=500, release_requeued=True)
     log = job_log(tmp_path, jobid)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert info["Restarts"] == "1" and "requeueing job" in log, log
-    assert "learner ranks checkpointed and exited" in log, log
-    assert any((run / "checkpoints").iterdir()), "no checkpoint written"
+    assert info["Restarts"] == "2" and log.count("requeueing job") == 2, log
+    assert "learner ranks stopped before the time limit: stopped at step" in log, log
+    assert "learner ranks checkpointed and exited" in log, log  # USR1
+    assert not (run / "requeue").exists()
     assert_two_ranks(run, jobid, log)
-    rank0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
+    rank0 = (run / "logs" / f"{jobid}.1" / f"learner-rank0-{HOST}.log").read_text()
     assert "SIGUSR1" in rank0, rank0[-3000:]
     preempted = rl_rows(run)
     assert [r["step"] for r in preempted] == list(range(RL_STEPS))  # every step exactly once
