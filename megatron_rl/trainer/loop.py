@@ -868,5 +868,7 @@ def train(cfg: JobConfig) -> list[dict]:
     if trainer.requeue:  # checkpointed before the time limit: the sbatch requeues
         if ctx.rank == 0:
             (Path(cfg.trainer.out_dir) / REQUEUE_MARKER).write_text(f"stopped at step {trainer.step}: {trainer.ops.why}\n")
+        if dist.is_initialized():
+            dist.barrier()  # the marker is there before any rank leaves (srun ends the others when one exits non-zero)
         raise SystemExit(REQUEUE_EXIT)
     return history

@@ -157,7 +157,8 @@ class Operations:
         now = time.monotonic()
         self._steps.append(max(0.0, now - self._mark - (self.checkpointer.blocked_total_s - self._blocked_at_mark)))
         self.checkpointer.poll()  # finish an asynchronous save whose writers are all done
-        flags = torch.tensor([self.stop.signum, int(self._out_of_time())], dtype=torch.int64, device=self.ctx.device)
+        out_of_time = step < last_step and self._out_of_time()  # the last step needs no requeue
+        flags = torch.tensor([self.stop.signum, int(out_of_time)], dtype=torch.int64, device=self.ctx.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signum, out_of_time = int(flags[0]), bool(flags[1])

@@ -37,7 +37,8 @@ CONFIG = "config.yaml"
 OPERATIONAL = (
     "name", "hardware",
     "trainer.steps", "trainer.out_dir", "trainer.resume", "trainer.allow_config_change",
-    "trainer.save_every", "trainer.keep_checkpoints", "trainer.progress", "trainer.plot",
+    "trainer.save_every", "trainer.keep_checkpoints", "trainer.async_save", "trainer.time_limit",
+    "trainer.time_limit_margin", "trainer.progress", "trainer.plot",
     "trainer.tensorboard", "trainer.wandb", "trainer.wandb_project", "trainer.rollout_wait_timeout",
     "trainer.rollout_wait_log_every", "trainer.collective_timeout", "trainer.token_log_every",
     "eval.",  # seeded apart from training: evaluating more or less often changes no training step

@@ -400,11 +400,11 @@ def release(jobid: str, tmp_path: Path, restarts: int, timeout: float = 300, **u
 def test_time_limit_and_usr1_checkpoint_requeue_resume_rl_trainer(slurm_cluster, tmp_path):
     """Two interruptions of one job, every step trained exactly once, and the metrics equal, bit for
     bit, to an uninterrupted run's (seeded sampling, batch-invariant SGLang on CPU, exact resume):
-    - attempt 0: its time limit is lowered to 3 minutes as it starts (`scontrol update`, as an admin
-      would; squeue's end time is what the trainer reads). Before a step that, with a save and
-      trainer.time_limit_margin, would not fit, the ranks checkpoint and exit, and the job requeues
-      itself (USR1 is set to come only 5 s before the end, so it is not what stops this attempt);
-    - attempt 1 (no limit): USR1 mid-run -> checkpoint, exit, requeue;
+    - attempt 0: a 3-minute time limit (squeue's end time is what the trainer reads; that it follows
+      `scontrol update TimeLimit=` is tests/unit/test_operations.py's). Before a step that, with a
+      save and trainer.time_limit_margin, would not fit, the ranks checkpoint and exit, and the job
+      requeues itself (USR1 is set to come only 5 s before the end: it is not what stops them);
+    - attempt 1 (released with no limit): USR1 mid-run -> checkpoint, exit, requeue;
     - attempt 2 finishes."""
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
@@ -417,15 +417,13 @@ def test_time_limit_and_usr1_checkpoint_requeue_resume_rl_trainer(slurm_cluster,
     straight = rl_rows(straight_dir / "run")
 
     run = tmp_path / "run"
-    # 180 s from the start, against a margin of 150 s: the ranks stop after their first step or two
-    # (server start and the first step take 30-60 s here) with about two minutes to spare.
-    jobid = submit(tmp_path, [*RL_RECIPE, "trainer.time_limit_margin=150"], {},
-                   sbatch_opts=("--nodes=1", "--ntasks=2", "--signal=B:USR1@5"))
-    wait_until(lambda: job(jobid)["JobState"] == "RUNNING", 120, "start", jobid, tmp_path)
-    subprocess.run(["scontrol", "update", f"JobId={jobid}", "TimeLimit=3"], check=True)
+    # A 3-minute job against a margin of 170 s: the ranks stop after their first step (server start
+    # and the first step take more than 10 s here) with about two and a half minutes to spare.
+    jobid = submit(tmp_path, [*RL_RECIPE, "trainer.time_limit_margin=170"], {},
+                   sbatch_opts=("--nodes=1", "--ntasks=2", "--time=3", "--signal=B:USR1@5"))
     release(jobid, tmp_path, restarts=1, TimeLimit="UNLIMITED")
     attempt0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
-    assert "time limit (" in attempt0 and "trainer.time_limit_margin=150s" in attempt0, attempt0[-3000:]
+    assert "time limit (" in attempt0 and "trainer.time_limit_margin=170s" in attempt0, attempt0[-3000:]
     stopped = len(rl_rows(run))
     assert 1 <= stopped < RL_STEPS - 2, stopped
 

@@ -81,6 +81,8 @@ def test_between_steps_stops_before_a_step_that_would_not_fit(tmp_path):
         d = ops.between_steps(step=4, last_step=10, save_every=0)
         assert (d.save, d.stop, d.requeue) == (True, "time limit", True)
         assert "a step takes up to 50s, a save 45s" in ops.why and "time_limit_margin=10s" in ops.why
+        d = ops.between_steps(step=10, last_step=10, save_every=0)  # the last step: done, not requeued
+        assert (d.save, d.stop, d.requeue) == (True, "", False)
     finally:
         ops.finish()
 
