@@ -67,6 +67,11 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
         idle = nothing_to_do(probe, resume)
         run_folder = (f"run folder: {job.trainer.out_dir} resumes {resume.checkpoint.name}" if resume.checkpoint
                       else f"run folder: {job.trainer.out_dir} starts at step 0")
+        from megatron_rl.trainer.checkpoint import storage_check
+
+        storage, problems = storage_check(probe)  # a full quota found by the first save, hours in, is found now
+        if problems:
+            raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))
     check_data_files(job.data)
     if job.data.source == "files":  # read every row now: a bad row fails here, not mid-run
         n_train = len(load_examples(job.data, "train"))
@@ -93,7 +98,8 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if command == "train":
-        print(idle or run_folder)
+        print(storage)
+        print(idle or run_folder)  # the last line: the sbatch says it
     return 0
 
 

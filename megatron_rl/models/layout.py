@@ -87,3 +87,34 @@ def check_layout(model, parallel) -> Optional[Architecture]:
                  + (f", {arch.experts} experts" if arch.experts else "") + f"; from {arch.source}")
         raise ValueError("the parallel layout does not fit the model (" + shape + "):\n  " + "\n  ".join(problems))
     return arch
+
+
+def parameter_count(model) -> Optional[int]:
+    """The model's parameters, from its HF config.json (Qwen3 / Qwen3-MoE / Llama-like: embeddings,
+    attention with optional q/k norms, dense or MoE MLPs, norms, an LM head unless tied), or from
+    `model.tiny`; None when there is no config yet."""
+    if model.hf_path is None:
+        t = model.tiny
+        c = dict(hidden_size=t.hidden, num_hidden_layers=t.num_layers, num_attention_heads=t.heads,
+                 num_key_value_heads=t.kv_heads, head_dim=t.head_dim, intermediate_size=t.ffn,
+                 vocab_size=t.vocab_size, tie_word_embeddings=getattr(t, "tie", False))
+        if t.moe:
+            c.update(num_experts=t.num_experts, moe_intermediate_size=t.moe_ffn)
+    else:
+        path = Path(model.hf_path) / "config.json"
+        if not path.is_file():
+            return None
+        c = json.loads(path.read_text())
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    kv, hd = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 2 * hd + 2 * h  # q, k, v, o, q/k norms, 2 norms
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    dense = 3 * h * c.get("intermediate_size", 0)
+    moe = h * experts + experts * 3 * h * (c.get("moe_intermediate_size") or 0) if experts else dense
+    sparse_step = c.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(c.get("mlp_only_layers") or [])
+    n_moe = sum(1 for i in range(layers) if experts and i not in mlp_only and (i + 1) % sparse_step == 0)
+    total = layers * attention + n_moe * moe + (layers - n_moe) * dense + h + vocab * h
+    return total + (0 if c.get("tie_word_embeddings", False) else vocab * h)
+

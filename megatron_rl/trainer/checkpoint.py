@@ -55,6 +55,57 @@ def latest_checkpoint(out_dir: str | Path) -> Optional[Path]:
     return path
 
 
+def _size(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
+
+
+def checkpoint_bytes(params: int, dtype: str) -> int:
+    """One checkpoint of a model with `params` parameters trained in `dtype`: bf16 / fp16 weights (2 bytes)
+    + fp32 main weights (4) + Adam's two fp32 moments (8) = 14 bytes per parameter; fp32: 4 + 8 = 12."""
+    return params * (12 if dtype in ("float32", "fp32") else 14)
+
+
+def storage_check(job, free_bytes: Callable[[Path], int] = lambda p: shutil.disk_usage(p).free,
+                  home: Optional[str] = None) -> tuple[str, list[str]]:
+    """What the run's checkpoints need on disk, said before a launch: (a line for the dry-run, the
+    problems that refuse it). `keep_checkpoints` are kept and one more is written before the oldest
+    goes, so keep + 1 must fit in the free space of the run folder's file system. A run meant for GPUs
+    (`hardware` other than cpu) may not keep multi-GB checkpoints under $HOME (usually a quota'd NFS
+    shared by the cluster): RUN_DIR / trainer.out_dir on the parallel file system, or
+    MRL_ALLOW_HOME_RUN_DIR=1."""
+    from megatron_rl.models.layout import parameter_count
+
+    params = parameter_count(job.model)
+    if params is None:
+        return "checkpoints: size unknown until the model's config.json exists", []
+    on_cpu = job.hardware.lower().startswith("cpu")  # the recipes' `hardware`: "cpu: ..." or "N nodes x 8 H100 ..."
+    dtype = job.model.dtype if job.model.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+    models = 2 if job.algorithm.advantage == "gae" else 1  # the critic: a second trunk of about the same size
+    one = checkpoint_bytes(params, dtype) * models
+    keep = max(1, job.trainer.keep_checkpoints)
+    need = one * (keep + 1)
+    out = Path(job.trainer.out_dir).expanduser().resolve()
+    probe = out
+    while not probe.exists():
+        probe = probe.parent
+    free = free_bytes(probe)
+    line = (f"checkpoints: {_size(one)} each ({params / 1e6:,.1f}M params x {one // (params * models)} bytes"
+            f"{', policy + critic' if models == 2 else ''}); keep_checkpoints={keep} + 1 being written = "
+            f"{_size(need)}; {_size(free)} free on {probe}")
+    problems = []
+    if need > free:
+        problems.append(f"the run folder {out} has {_size(free)} free and its checkpoints need "
+                        f"{_size(need)} (keep_checkpoints={keep} + 1 being written): free space, lower "
+                        "trainer.keep_checkpoints, or put RUN_DIR / trainer.out_dir elsewhere")
+    home = home if home is not None else os.environ.get("HOME")
+    if (not on_cpu and home and one > 10e9 and not os.environ.get("MRL_ALLOW_HOME_RUN_DIR")
+            and out.is_relative_to(Path(home).resolve())):
+        problems.append(f"the run folder {out} is under $HOME ({home}), usually a quota'd shared file system, and "
+                        f"each checkpoint is {one / 1e9:,.0f} GB: give RUN_DIR (or trainer.out_dir) on the cluster's "
+                        "parallel file system, or set MRL_ALLOW_HOME_RUN_DIR=1")
+    return line, problems
+
+
 def _rng_state() -> dict[str, Any]:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

@@ -860,6 +860,11 @@ def train(cfg: JobConfig) -> list[dict]:
     from megatron_rl.models.layout import check_layout
 
     check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
+    from megatron_rl.trainer.checkpoint import storage_check
+
+    problems = storage_check(cfg)[1]  # a full disk found by the first save, hours in, is found now
+    if problems:
+        raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))
     ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout)
     if ctx.rank == 0:
         print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)

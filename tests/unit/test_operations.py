@@ -113,3 +113,45 @@ def test_step_time_excludes_saves(tmp_path):
         assert 0.04 < ops._steps[-1] < 0.12
     finally:
         ops.finish()
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_parameter_count_matches_transformers(tmp_path, moe):
+    import transformers
+
+    from megatron_rl.models.layout import parameter_count
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", moe=moe, num_layers=3)
+    config = transformers.AutoConfig.from_pretrained(path)
+    import torch
+
+    with torch.device("meta"):  # shapes only
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert parameter_count(types.SimpleNamespace(hf_path=str(path))) == expected
+
+
+def test_storage_check_refuses_what_does_not_fit(tmp_path):
+    import json
+
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.trainer.checkpoint import storage_check
+
+    (tmp_path / "q3").mkdir()
+    (tmp_path / "q3" / "config.json").write_text(json.dumps(dict(  # Qwen3-30B-A3B's shape
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, vocab_size=151936,
+        tie_word_embeddings=False)))
+    job = to_object(load_config("tiny_cpu", [f"model.hf_path={tmp_path / 'q3'}", f"trainer.out_dir={tmp_path / 'run'}",
+                                             "hardware=4 nodes x 8 H100"]))
+    tb = 1e12
+    line, problems = storage_check(job, free_bytes=lambda p: int(2 * tb), home="/nonexistent-home")
+    assert "427.4 GB each (30,532.1M params x 14 bytes)" in line and "1,282.3 GB" in line and not problems
+    line, problems = storage_check(job, free_bytes=lambda p: int(1 * tb), home="/nonexistent-home")
+    assert len(problems) == 1 and "need 1,282.3 GB (keep_checkpoints=2 + 1 being written)" in problems[0]
+    _, problems = storage_check(job, free_bytes=lambda p: int(2 * tb), home=str(tmp_path))
+    assert len(problems) == 1 and "is under $HOME" in problems[0] and "427 GB" in problems[0]
+    job.hardware = "cpu: 2 cores"  # a CPU run: fp32 (12 bytes), and $HOME is fine
+    line, problems = storage_check(job, free_bytes=lambda p: int(2 * tb), home=str(tmp_path))
+    assert "x 12 bytes" in line and not problems
