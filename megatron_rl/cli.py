@@ -42,6 +42,10 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
 
     cfg = load_config(recipe, overrides)
     job = to_object(cfg)
+    if command in ("train", "train-lm"):
+        from megatron_rl.distributed.context import check_gpu_python
+
+        check_gpu_python(job)  # in a Slurm job: a GPU recipe on a Python without CUDA fails here, named
     # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
     world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
     from megatron_rl.models.hub import resolve_model_paths

@@ -135,6 +135,24 @@ def layout_sizes(cfg: ParallelConfig, world_size: int) -> dict:
     return dict(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, dp=dp, sequence_parallel=sp)
 
 
+def check_gpu_python(job, environ=os.environ) -> None:
+    """In a Slurm job, a recipe meant for GPUs (`hardware` other than "cpu...") must find CUDA: else it
+    would build a 30B model on CPU torch, or fail hours later. Names the Python that found none (the
+    usual cause: the submit dir's CPU venv, or a container without a CUDA torch). MRL_ALLOW_CPU=1
+    runs it anyway."""
+    if not environ.get("SLURM_JOB_ID") or environ.get("MRL_ALLOW_CPU") or job.hardware.lower().startswith("cpu"):
+        return
+    if torch.cuda.is_available():
+        return
+    import sys
+
+    build = f"CUDA {torch.version.cuda}, but no GPU is visible" if torch.version.cuda else "a CPU-only build"
+    raise ValueError(f"this recipe is for GPUs (hardware: {job.hardware}), and this Python finds none: "
+                       f"{sys.executable} (torch {torch.__version__}, {build}). Run it on GPU nodes with a "
+                       "CUDA build of torch: set PYTHON=..., or CONTAINER_IMAGE=... / CONTAINER_EXEC=... (the "
+                       "container's python3); MRL_ALLOW_CPU=1 runs it on CPU anyway")
+
+
 def init_distributed(cfg: ParallelConfig, timeout_s: float = 1800) -> ParallelContext:
     """Start torch.distributed (if not started) and Megatron's parallel state; return the context.
 

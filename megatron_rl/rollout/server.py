@@ -101,6 +101,8 @@ class ServerConfig:
 # - MPI/PMI (Open MPI, MPICH/Intel MPI Hydra, MVAPICH, Slurm's --mpi=pmi2/pmix): a process that
 #   finds these at MPI_Init (mpi4py, NVSHMEM's PMI bootstrap, UCX) joins the launcher's job as
 #   that rank, a duplicate of the trainer rank it came from, instead of running alone.
+# - Learner-only settings: CUDA_DEVICE_MAX_CONNECTIONS=1 (the sbatch sets it for the learner ranks:
+#   Megatron's TP/SP overlap needs kernels issued in order) serialises SGLang's own overlapped streams.
 # CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS, NCCL_*/TORCH_* tuning and everything else pass through;
 # ServerConfig.env is applied after this rule, so a variable set there on purpose is kept.
 LAUNCHER_VARIABLES = frozenset({
@@ -113,6 +115,8 @@ LAUNCHER_VARIABLES = frozenset({
     "SLURM_STEP_TASKS_PER_NODE", "SLURM_GTIDS", "SLURM_TASK_PID",
     # MPICH / Intel MPI (Hydra) local rank
     "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+    # the learner's own CUDA setting
+    "CUDA_DEVICE_MAX_CONNECTIONS",
 })
 LAUNCHER_PREFIXES = (
     "TORCHELASTIC_",  # agent store, run id, restart count, error file

@@ -860,6 +860,9 @@ def train(cfg: JobConfig) -> list[dict]:
     from megatron_rl.models.layout import check_layout
 
     check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
+    from megatron_rl.distributed.context import check_gpu_python
+
+    check_gpu_python(cfg)
     from megatron_rl.trainer.checkpoint import storage_check
 
     problems = storage_check(cfg)[1]  # a full disk found by the first save, hours in, is found now

@@ -145,6 +145,9 @@ def test_two_ranks_on_two_nodes_tp2_complete(slurm_cluster, tmp_path):
     ("train-lm", ["tiny_lm_cpu", "parallel.tpp=2"], "unknown config key 'parallel.tpp'"),
     ("train", ["tiny_cpu", "data.source=files", "data.train_files=[/nonexistent/train.parquet]"],
      "dataset /nonexistent/train.parquet does not exist"),
+    # a GPU recipe on a Python without CUDA (the submit dir's CPU venv): named, before anything starts
+    ("train", ["dppo_binary_tv_qwen3_30b_a3b_base_r3"],
+     f"not yet run at scale), and this Python finds none: {sys.executable} (torch "),
 ])
 def test_bad_config_fails_fast(slurm_cluster, tmp_path, command, args, message):
     start = time.monotonic()
@@ -159,11 +162,16 @@ def test_bad_config_fails_fast(slurm_cluster, tmp_path, command, args, message):
 
 
 def test_usr1_checkpoints_requeues_resumes_launcher(slurm_cluster, tmp_path):
+    """Also the container rule: with a container (CONTAINER_EXEC here, a stand-in runtime whose
+    image has its own python3; pyxis's CONTAINER_IMAGE takes the same path) and no PYTHON, the
+    dry-run and every rank run the container's python3, never the submit dir's .venv; the learner
+    ranks, and only they, get CUDA_DEVICE_MAX_CONNECTIONS=1."""
     run = tmp_path / "run"
     steps = 24
+    calls = tmp_path / "container.log"
     jobid = submit(tmp_path, ["tiny_lm_cpu", f"train.steps={steps}"],
-                   {"MRL_COMMAND": "train-lm", "PYTHON": str(HERE / "contract_python.sh"),
-                    "REAL_PYTHON": sys.executable})
+                   {"MRL_COMMAND": "train-lm", "PYTHON": "", "CONTAINER_EXEC": str(HERE / "fake_container.sh"),
+                    "CONTAINER_LOG": str(calls), "REAL_PYTHON": sys.executable})
     metrics = run / "metrics.jsonl"
     wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 60,
                "three steps", jobid, tmp_path)
@@ -183,6 +191,10 @@ def test_usr1_checkpoints_requeues_resumes_launcher(slurm_cluster, tmp_path):
     assert "USR1: asking the learner ranks to checkpoint and exit" in log, log
     assert "requeueing job" in log and "job %s (restart 1)" % jobid in log, log
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"{jobid}.0", f"{jobid}.1"]
+    lines = calls.read_text().splitlines()
+    assert lines.count("python3 megatron_rl.cli dry-run CUDA_DEVICE_MAX_CONNECTIONS=unset") == 2, lines
+    assert lines.count("python3 megatron_rl.cli train-lm CUDA_DEVICE_MAX_CONNECTIONS=1") == 4, lines
+    assert len(lines) == 6, lines
 
 
 def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
@@ -190,8 +202,13 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt")
     run = tmp_path / "run"
+    calls = tmp_path / "container.log"
+    # The servers in a container of their own (ROLLOUT_CONTAINER_EXEC: ROLLOUT_PYTHON defaults to its
+    # python3), the learners not; the servers do not get the learners' CUDA_DEVICE_MAX_CONNECTIONS.
     jobid = submit(tmp_path, ["tiny_lm_cpu", "train.steps=2"],
                    {"MRL_COMMAND": "train-lm", "PYTHON": str(HERE / "contract_python.sh"),
+                    "ROLLOUT_CONTAINER_EXEC": str(HERE / "fake_container.sh"), "CONTAINER_LOG": str(calls),
+                    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
                     "REAL_PYTHON": sys.executable, "GPUS_PER_NODE": "1", "ROLLOUT_NODES": "1",
                     "ROLLOUT_MODEL": str(ckpt), "ROLLOUT_PORT": "30517",
                     "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048"},
@@ -212,6 +229,8 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     replies = json.loads((run / "rollout-rank0.json").read_text())
     assert list(replies) == [url] and len(replies[url]) == 4, replies
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
+    lines = calls.read_text().splitlines()  # only the server went through the rollout container
+    assert lines == ["python3 megatron_rl.rollout.launch_server --slurm-slot CUDA_DEVICE_MAX_CONNECTIONS=unset"], lines
 
 
 def served_requests(log: Path) -> list[dict]:

@@ -61,6 +61,8 @@ def test_slurm_and_mpi_rank_variables_dropped_job_variables_kept():
         "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
         "OMPI_MCA_ess_base_vpid": "3", "OMPI_MCA_orte_hnp_uri": "x", "MPI_LOCALRANKID": "1",
         "MV2_COMM_WORLD_RANK": "3",
+        # the learner's own CUDA setting (the sbatch sets it for learner ranks only)
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
     job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_PER_TASK": "16",
            "OMPI_MCA_btl": "^openib", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PATH": "/usr/bin"}
