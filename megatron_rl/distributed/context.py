@@ -48,12 +48,15 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
-    """Rank layout from torchrun's variables, else Slurm's, else a single process."""
+    """Rank layout from torchrun's variables, else Slurm's (in a job step), else a single process."""
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
                          env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    # Slurm's task variables name this process's rank only inside a job step (srun sets
+    # SLURM_STEP_ID); the batch script itself (an `export` or `eval` run there) also sees
+    # SLURM_PROCID=0 and the job's SLURM_NTASKS, but has no peers.
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "localhost"))
         # A port derived from the job id keeps concurrent jobs on one node apart.
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
@@ -62,6 +65,19 @@ def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     # A lone process: any free port, so several single-process runs can share a machine.
     port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
     return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port)
+
+
+def local_device(local_rank: int, visible: int) -> int:
+    """The CUDA device of the rank with `local_rank` on its node, among the `visible` ones: its local
+    rank where the node's GPUs are all visible (srun --gpus-per-node), device 0 where the launcher
+    binds one GPU per task (--gpus-per-task=1, --gpu-bind=single:1: each task sees only its own)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise RuntimeError(f"local rank {local_rank} but only {visible} CUDA devices are visible to this task "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): bind all of "
+                           "a node's GPUs to every task, or exactly one")
+    return local_rank
 
 
 def _free_port() -> int:
@@ -169,7 +185,7 @@ def init_distributed(cfg: ParallelConfig, timeout_s: float = 1800) -> ParallelCo
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         if cuda:
-            torch.cuda.set_device(env.local_rank)
+            torch.cuda.set_device(local_device(env.local_rank, torch.cuda.device_count()))
         dist.init_process_group("nccl" if cuda else "gloo", rank=env.rank,
                                 world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
     world = dist.get_world_size()

@@ -195,10 +195,22 @@ def test_launch_env_torchrun():
 def test_launch_env_slurm(monkeypatch):
     # No scontrol on the PATH: the node list is parsed directly.
     monkeypatch.setenv("PATH", "/nonexistent")
-    env = read_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
-                           "SLURM_JOB_NODELIST": "gpu[017-018,020]", "SLURM_JOB_ID": "4242"})
+    job = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_LOCALID": "0",
+           "SLURM_JOB_NODELIST": "gpu[017-018,020]", "SLURM_JOB_ID": "4242"}
+    # the batch script (an `export` or `eval` run there): no step, so no peers to wait for
+    assert (read_launch_env(job).rank, read_launch_env(job).world_size) == (0, 1)
+    env = read_launch_env(job | {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "5"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 5, "gpu017")
     assert env.master_port == 20000 + 4242
+
+
+def test_local_device():
+    from megatron_rl.distributed.context import local_device
+
+    assert local_device(5, 8) == 5  # the node's GPUs all visible to each task
+    assert local_device(5, 1) == 0  # one GPU bound per task: its own is device 0
+    with pytest.raises(RuntimeError, match="local rank 5 but only 2 CUDA devices"):
+        local_device(5, 2)
 
 
 def test_launch_env_single_process():
