@@ -303,6 +303,17 @@ def parse_nodes(spec: str) -> list[tuple[str, str]]:
     return out
 
 
+def implied_server_args(cfg: JobConfig, args: list[str]) -> list[str]:
+    """The SGLang flags the recipe needs and `args` lacks: deterministic inference for seeded sampling
+    (SGLang ignores the seeds without it), routed experts for R3 replay."""
+    out = []
+    if cfg.rollout.seeded and "--enable-deterministic-inference" not in args:
+        out.append("--enable-deterministic-inference")
+    if cfg.algorithm.router_replay == "r3" and "--enable-return-routed-experts" not in args:
+        out.append("--enable-return-routed-experts")
+    return out
+
+
 def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
                   rollout_nodes: Optional[str] = None, rollout_port: int = 30000,
                   rollout_args: Optional[str] = None) -> list[str]:
@@ -310,7 +321,7 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
     model; return the lines to print (all start with "rollout server"). `rollout_nodes` (the
     launcher's rollout nodes, "name=addr,..."; "" = it starts none), `rollout_port` and
     `rollout_args` describe the servers the sbatch script starts; None = not launched by it."""
-    r, a = cfg.rollout, cfg.algorithm
+    r = cfg.rollout
     device = server_device(cfg)
     args = (rollout_args or "").split()
     if rollout_nodes:  # the launcher's servers: their device is in their own arguments
@@ -360,19 +371,19 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
         if list(r.server_urls) != planned:
             raise ValueError(f"rollout.server_urls={list(r.server_urls)} are not the servers the launcher "
                              f"starts ({planned}); do not override rollout.server_urls with ROLLOUT_NODES > 0")
-        if r.seeded and "--enable-deterministic-inference" not in args:
-            raise ValueError("rollout.seeded=true needs servers started with --enable-deterministic-inference "
-                             "(SGLang ignores sampling seeds otherwise): add it to ROLLOUT_ARGS, or set "
-                             "rollout.seeded=false")
-        if a.router_replay == "r3" and "--enable-return-routed-experts" not in args:
-            raise ValueError("algorithm.router_replay=r3 needs servers started with "
-                             "--enable-return-routed-experts: add it to ROLLOUT_ARGS")
+        added = implied_server_args(cfg, args)
         lines.append(f"rollout servers: disaggregated -- {len(slots)} on {len(nodes)} node(s), "
                      f"{len(slots) // len(nodes)} per node (GPUS_PER_NODE {gpus_per_node} / TP {r.server_tp}), "
                      f"dp 1 each; {sync(len(slots))}; model: {fit}")
         for s in slots:
             lines.append(f"rollout server {s.index}: node {s.node} ({s.addr}), "
                          + (f"GPUs {','.join(s.gpus)}" if s.gpus else "CPU") + f", port {s.port} -> {s.url}")
+        # What the launcher reads back (slurm/megatron_rl.sbatch): the flags the recipe implies, and the
+        # model the learner starts from (ROLLOUT_MODEL, when given, must be a copy of it).
+        if added:
+            lines.append("rollout servers' added args: " + " ".join(added))
+        if cfg.model.hf_path:
+            lines.append(f"rollout servers' model: {cfg.model.hf_path}")
         return lines
     fit = check_model_fits_server(shape, r.server_tp)
     if r.server_urls:

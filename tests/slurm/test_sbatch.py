@@ -251,11 +251,12 @@ def served_requests(log: Path) -> list[dict]:
 def two_servers_env(ckpt: Path, port: int) -> dict[str, str]:
     """The launcher's environment for one rollout node serving two CPU servers (one per replica) of
     `ckpt` from `port`, logging every finished request as JSON (`served_requests`)."""
-    return {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1", "ROLLOUT_MODEL": str(ckpt),
+    # No ROLLOUT_MODEL, no --enable-deterministic-inference: the recipe's model.hf_path and seeded
+    # sampling imply them, and the launcher adds them (from the dry-run; asserted in the tests' logs).
+    return {"GPUS_PER_NODE": "2", "ROLLOUT_NODES": "1", "ROLLOUT_TP": "1",
             "ROLLOUT_PORT": str(port),
             "ROLLOUT_ARGS": "--device cpu --dtype float32 --max-total-tokens 2048 --sleep-on-idle "
-                            "--enable-deterministic-inference --log-requests --log-requests-level 2 "
-                            "--log-requests-format json"}
+                            "--log-requests --log-requests-level 2 --log-requests-format json"}
 
 
 def finished(jobid: str, tmp_path: Path) -> tuple[dict, str]:
@@ -315,6 +316,8 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     for k, url in enumerate(urls):
         assert f"rollout server {k}: node {rollout_node} (127.0.0.1), CPU, port {url[-5:]} -> {url}" in log, log
     assert f"SGLang servers up: {','.join(urls)}" in log, log
+    assert "rollout servers' added args: --enable-deterministic-inference" in log, log
+    assert f"rollout servers' model: {ckpt}" in log, log
     logs = run / "logs" / f"{jobid}.0"
     assert_two_ranks(run, jobid, log)
     served = {}

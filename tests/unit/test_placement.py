@@ -102,12 +102,21 @@ LAUNCH = dict(gpus_per_node=8, rollout_nodes="gpu5=10.0.0.5", rollout_port=30000
               rollout_args="--device cuda --dtype bfloat16 --enable-deterministic-inference")
 
 
-def test_dry_run_layout_of_the_launchers_servers():
+def test_dry_run_layout_of_the_launchers_servers(tmp_path):
     lines = placement.layout_report(job(URLS, "rollout.server_tp=4", "rollout.placement=disaggregated"), **LAUNCH)
     assert lines[0].startswith("rollout servers: disaggregated -- 2 on 1 node(s), 2 per node (GPUS_PER_NODE 8 "
                                "/ TP 4), dp 1 each; weight sync distributed (group of 9: learner rank 0 + 2 servers x TP 4)")
     assert lines[1:] == ["rollout server 0: node gpu5 (10.0.0.5), GPUs 0,1,2,3, port 30000 -> http://10.0.0.5:30000",
                          "rollout server 1: node gpu5 (10.0.0.5), GPUs 4,5,6,7, port 30016 -> http://10.0.0.5:30016"]
+    # The flags the recipe implies are added for the launcher, and the model it serves is the recipe's.
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+
+    moe = make_tiny_checkpoint(tmp_path / "moe", moe=True)
+    cfg = job(URLS, "rollout.server_tp=4", "rollout.placement=disaggregated", "algorithm.router_replay=r3",
+              f"model.hf_path={moe}")
+    lines = placement.layout_report(cfg, **{**LAUNCH, "rollout_args": "--device cuda"})
+    assert lines[-2:] == ["rollout servers' added args: --enable-deterministic-inference --enable-return-routed-experts",
+                          f"rollout servers' model: {moe}"]
 
 
 @pytest.mark.parametrize("overrides, launch, message", [
@@ -119,7 +128,6 @@ def test_dry_run_layout_of_the_launchers_servers():
      "--dp-size 2: SGLang updates weights only on servers with one replica"),
     ([URLS, "rollout.server_tp=4"], {"rollout_args": "--device cuda --enable-deterministic-inference --tp-size 4"},
      "ROLLOUT_ARGS sets the server's TP size"),
-    ([URLS, "rollout.server_tp=4"], {"rollout_args": "--device cuda"}, "needs servers started with --enable-determ"),
     ([], {"rollout_nodes": ""}, None),  # the launcher starts none; tiny_cpu's local servers are fine
     (["rollout.placement=disaggregated"], {"rollout_nodes": ""}, "but none are given: submit with ROLLOUT_NODES"),
 ])
