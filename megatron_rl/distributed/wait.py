@@ -44,6 +44,15 @@ class LeaderFailed(RuntimeError):
     """The leader posted an error for the key a rank was waiting on."""
 
 
+class Interrupted(Exception):
+    """A stop was requested while this rank waited (trainer/operations.py `Operations.interrupt`):
+    the step in progress is given up. Raised by a wait given an `interrupt` check, and by a waiter
+    whose leader was interrupted."""
+
+
+_INTERRUPTED = "interrupted"
+
+
 def _print(text: str) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     print(f"[megatron-rl] rank {rank}: {text}", flush=True)
@@ -132,9 +141,16 @@ class LeaderSignal:
 
     @contextlib.contextmanager
     def leading(self, key: str) -> Iterator[None]:
-        """Leader: post done when the block ends, or post the exception and re-raise it."""
+        """Leader: post done when the block ends, or post the exception and re-raise it (an
+        Interrupted as such: its waiters raise Interrupted too)."""
         try:
             yield
+        except Interrupted:
+            with self._lock:
+                self._begin(key)
+                self._store.set(self._keys(key)[1], _INTERRUPTED)
+                self._current_finished = True
+            raise
         except BaseException as e:
             self.post_error(key, f"{type(e).__name__}: {e}")
             raise
@@ -168,6 +184,8 @@ class LeaderSignal:
             now = time.monotonic()
             if status == _DONE:
                 return now - start
+            if status == _INTERRUPTED:
+                raise Interrupted(f"{self.prefix}/{key}: the leader gave the step up (a stop was requested)")
             if status is not None:
                 message = status[len(_ERROR):] if status.startswith(_ERROR) else status
                 raise LeaderFailed(f"{self.prefix}/{key}: the leader failed after {now - start:.0f}s of "
@@ -231,12 +249,17 @@ class StoreMeeting:
             raise
         self.meet(key)
 
-    def meet(self, key: str) -> float:
+    def meet(self, key: str, interrupt: Optional[Callable[[], bool]] = None) -> float:
         """Post this member's arrival on `key` and wait for all; return the seconds waited."""
-        return self.gather(key, b"")[1]
+        return self.gather(key, b"", interrupt)[1]
 
-    def gather(self, key: str, value: bytes) -> tuple[list[bytes], float]:
-        """Post `value` on `key`, wait for every member's; return (their values by rank, seconds waited)."""
+    def gather(self, key: str, value: bytes,
+               interrupt: Optional[Callable[[], bool]] = None) -> tuple[list[bytes], float]:
+        """Post `value` on `key`, wait for every member's; return (their values by rank, seconds waited).
+
+        `interrupt()` true while some member has not arrived raises Interrupted. Once all have
+        arrived every member returns, whatever `interrupt` says: so all of them leave the meeting
+        the same way (a stop then waits for the step's end)."""
         mine = f"{self.prefix}/{key}/{self.rank}"
         self._store.set(mine, value)
         self._mine.append(mine)
@@ -264,6 +287,9 @@ class StoreMeeting:
             if len(values) == self.size:
                 return [values[r] for r in range(self.size)], now - start
             missing = [r for r in range(self.size) if r not in values]
+            if interrupt is not None and interrupt():
+                raise Interrupted(f"{self.prefix}/{key}: a stop was requested while {self.what}s {missing} "
+                                  "had not arrived")
             if now - start >= self.timeout_s:
                 raise TimeoutError(f"{self.prefix}/{key}: {self.what}s {missing} not there after {now - start:.0f}s "
                                    f"({self.timeout_name}={self.timeout_s:g})")

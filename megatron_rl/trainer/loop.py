@@ -63,6 +63,7 @@ from megatron_rl.trainer.metrics import MetricsLogger, nonfinite
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES, PolicyLoss
 from megatron_rl.trainer.prompts import PromptStream, TokenizedPrompts, load_examples, tokenize
 from megatron_rl.trainer.setup import build_models
+from megatron_rl.distributed.wait import Interrupted
 from megatron_rl.trainer.operations import REQUEUE_EXIT, REQUEUE_MARKER, Operations
 
 
@@ -252,6 +253,7 @@ class Trainer:
                                      num_experts=self.learner.config.num_moe_experts)
         self.ops = Operations(t, ctx, self.out_dir, self.logger.message)  # checkpoints, time limit, stop signals
         self.requeue = False  # stopped before the time limit: `train` exits REQUEUE_EXIT
+        self.interrupted = False  # stopped mid-step (its generation given up)
         self.history: list[dict] = []
         self._attempt = 0
         self._restarts = 0  # steps whose rollouts were made again (a server served other weights)
@@ -289,8 +291,12 @@ class Trainer:
         while self.step < t.steps:
             self.ops.step_started()
             timer = Timer()
-            with timer("generate"):
-                batch, metrics = self.generate()
+            try:
+                with timer("generate"):
+                    batch, metrics = self.generate()
+            except Interrupted:
+                self._stop_mid_step()
+                break
             if t.mode == "rollout_only":
                 self.save_rollouts(batch, metrics)
             else:
@@ -330,6 +336,18 @@ class Trainer:
                 break
         self.close()
         return self.history
+
+    def _stop_mid_step(self) -> None:
+        """A stop arrived while the step was generating: give its generation up and checkpoint the
+        state after the last completed step (Operations.interrupt)."""
+        self.interrupted = True
+        if self.feeder is not None:
+            self.feeder.stop(abort=self.rollouts.abort_other_lanes, timeout=10)
+        self.save()
+        self.ops.finish()
+        why = self.ops.stop.name() or "a stop requested on another rank"
+        self.logger.message(f"[megatron-rl] {why} during step {self.step}'s generation: generation given up; "
+                            f"checkpoint at step {self.step} written; stopping (resume continues from it)")
 
     # ------------------------------------------------------------------------------------------
     def generate(self) -> tuple[RolloutBatch, dict[str, float]]:
@@ -474,12 +492,14 @@ class Trainer:
         # later than the process group's timeout is waited for here, not inside the all-reduce.
         key = f"step{self.step}/try{self._attempt}"
         try:
-            share = self.feeder.get(self.step)
+            share = self.feeder.get(self.step, interrupt=self.ops.interrupt)
+        except Interrupted:
+            raise  # every producer learns it from the store (Operations.interrupt)
         except BaseException as e:
             if self.meeting:
                 self.meeting.fail(f"step {self.step}: {type(e).__name__}: {e}")
             raise
-        waited = self.meeting.meet(key) if self.meeting else 0.0
+        waited = self.meeting.meet(key, interrupt=self.ops.interrupt) if self.meeting else 0.0
         batch, metrics = share.batch, dict(share.metrics)
         counts = metrics.pop("_async")
         stale = self.cfg.trainer.mode == "train" and bool(counts[self.cfg.trainer.max_staleness + 1] > 0)
@@ -827,7 +847,7 @@ class Trainer:
 
     def close(self) -> None:
         if self.feeder is not None:
-            self.feeder.stop(abort=self.rollouts.abort_other_lanes)
+            self.feeder.stop(abort=self.rollouts.abort_other_lanes, timeout=10 if self.interrupted else 120)
         if self.rollouts is not None:
             self.rollouts.close()
         if hasattr(self.reward_model, "close"):

@@ -1,7 +1,13 @@
 """Operations: what the training loop asks between two steps — save now? stop now, and why?
 
 `Operations.between_steps(step)` (collective, after every step) answers with a `Decision`:
-- **stop signals** (SIGTERM / SIGUSR1 from a scheduler, Ctrl-C; trainer/signals.py): checkpoint and stop;
+- **stop signals** (SIGTERM / SIGUSR1 from a scheduler, Ctrl-C; trainer/signals.py): checkpoint and stop.
+  One that arrives while the step is still generating does not wait for the generation (tens of
+  minutes at 16k tokens, longer than a preemption's grace time): `interrupt()` turns true, the
+  waits for the step's rollouts raise Interrupted, generation in flight is aborted, and the loop
+  checkpoints the state after the last completed step (with max_staleness 0 exactly that: the
+  weights after step t-1 and the prompt position before step t; with k >= 1 the complete queued
+  shares too) and stops;
 - **the time limit**: the job's end is known (the Slurm job's end time, re-read as an administrator
   may change it, or `trainer.time_limit` seconds after the start). The loop measures its own steps
   (the longest of the last five, without the time it was held up by saves) and its saves (from the
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from megatron_rl.trainer.checkpoint import Checkpointer
 from megatron_rl.trainer.signals import StopRequest
 
+STOP_KEY = "stop/requested"  # c10d store key: a stop signal arrived on some rank mid-step
 REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped before the time limit with a checkpoint; run it again to go on
 # Written by rank 0 into the run folder beside that exit: srun's --kill-on-bad-exit turns the other
 # ranks' exit codes into "terminated" when one rank leaves first, so the sbatch reads this file instead.
@@ -132,6 +139,10 @@ class Operations:
         self._mark = time.monotonic()
         self._blocked_at_mark = 0.0
         self.why = ""  # rank 0: the time-limit arithmetic behind the last stop
+        self._store = None  # where a stop requested mid-step is posted for the other ranks
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._store = dist.distributed_c10d._get_default_store().clone()
+        self._posted, self._remote, self._checked = False, False, -float("inf")
 
     def _estimate_save_s(self) -> float:
         last = self.checkpointer.last
@@ -166,6 +177,24 @@ class Operations:
         stop = self.stop.name() if signum else "time limit" if out_of_time else ""
         save = bool(stop) or step == last_step or bool(save_every and step % save_every == 0)
         return Decision(save=save, stop=stop, requeue=out_of_time and not signum)
+
+    def interrupt(self) -> bool:
+        """Whether the step in progress is to be given up now: a stop signal arrived here, or another
+        rank posted one on the c10d store (`stop/requested`; checked at most every half second).
+        Polled by producer ranks while they wait for their generation (trainer/producer.py `get`,
+        distributed/wait.py `StoreMeeting`); their model-parallel peers follow their leader."""
+        if self.stop.signum:
+            if self._store is not None and not self._posted:
+                self._store.set(STOP_KEY, self.stop.name())
+                self._posted = True
+            return True
+        if self._store is None:
+            return False
+        now = time.monotonic()
+        if now - self._checked >= 0.5:
+            self._checked = now
+            self._remote = self._store.check([STOP_KEY])
+        return self._remote
 
     def step_started(self) -> None:
         """The next step's clock starts here (after the save the last decision asked for)."""

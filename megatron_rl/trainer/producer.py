@@ -95,8 +95,11 @@ class Producer:
             self._published = version
             self._cond.notify_all()
 
-    def get(self, target: int) -> StepShare:
-        """The share of `target` (blocks until it is made); re-raises the thread's error."""
+    def get(self, target: int, interrupt: Optional[Callable[[], bool]] = None) -> StepShare:
+        """The share of `target` (blocks until it is made); re-raises the thread's error. Raises
+        Interrupted when `interrupt()` turns true while it waits (checked every half second)."""
+        from megatron_rl.distributed.wait import Interrupted
+
         start = time.perf_counter()
         with self._cond:
             while target not in self._queue:
@@ -104,7 +107,9 @@ class Producer:
                 if self._next > target and self._busy != target:
                     raise RuntimeError(f"producer: share of step {target} was taken already or never made "
                                        f"(next target {self._next})")
-                self._cond.wait(1.0)
+                if interrupt is not None and interrupt():
+                    raise Interrupted(f"a stop was requested while step {target}'s share was being made")
+                self._cond.wait(0.5 if interrupt is not None else 1.0)
             share = self._queue.pop(target)
             self._cond.notify_all()
         self.waited_s = time.perf_counter() - start

@@ -1,5 +1,7 @@
 """Stopping a run: SIGTERM / SIGUSR1 (schedulers, preemption), SIGINT (Ctrl-C) and SIGHUP (the
-terminal closed) ask the run to stop at the next step boundary with a checkpoint.
+terminal closed) ask the run to stop with a checkpoint: at once if the step in progress is still
+generating (its generation is given up; trainer/operations.py `Operations.interrupt`), else at
+the step's end.
 
 The handler only sets a flag (nothing unsafe runs inside a signal handler). Ranks receive the
 signal at slightly different moments, so `requested()` is a collective: the flag is max-reduced
@@ -36,7 +38,7 @@ class StopRequest:
             if self.signum == signal.SIGINT:
                 raise KeyboardInterrupt
             if self.announce:
-                os.write(2, b"\n[megatron-rl] Ctrl-C: stopping after this step with a checkpoint "
+                os.write(2, b"\n[megatron-rl] Ctrl-C: stopping with a checkpoint "
                             b"(Ctrl-C again: stop now, without one)\n")
         if not self.signum:
             self.signum = signum

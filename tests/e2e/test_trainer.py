@@ -128,7 +128,7 @@ def test_ctrl_c_checkpoints_exits_zero_quietly_and_resumes(server_url, tmp_path)
     after = [line for line in lines[before:] if line.strip()]
     steps = [line for line in after if line.startswith("step ")]  # the step in progress finishes and logs
     assert len(after) - len(steps) <= 5, "".join(after)
-    assert "SIGINT: checkpoint at step" in output and "Ctrl-C: stopping after this step" in output
+    assert "SIGINT: checkpoint at step" in output and "Ctrl-C: stopping with a checkpoint" in output
     latest = (out_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
     assert stopped_at >= 3
@@ -136,6 +136,60 @@ def test_ctrl_c_checkpoints_exits_zero_quietly_and_resumes(server_url, tmp_path)
     out = run(out_dir, server_url, f"trainer.steps={stopped_at + 2}")
     assert f"at step {stopped_at}" in out.stdout
     assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == list(range(stopped_at + 2))
+
+
+SLOW_REWARD = """
+import time
+from pathlib import Path
+
+
+def score(response, answer):
+    if Path({flag!r}).exists():  # from the moment the test says so, generation takes minutes
+        Path({sleeping!r}).touch()
+        time.sleep(300)
+    return 0.0
+"""
+
+
+def test_sigterm_mid_generation_gives_the_step_up_and_resumes(server_url, tmp_path):
+    """A stop that arrives while a step is generating (a preemption's SIGTERM, minutes before the
+    SIGKILL; a 16k-token step generates for longer) does not wait for the generation: it is given
+    up, the state after the last completed step is checkpointed, and the run exits 0 in seconds;
+    the resumed run trains every step exactly once."""
+    out_dir, flag, sleeping = tmp_path / "run", tmp_path / "slow", tmp_path / "sleeping"
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD.format(flag=str(flag), sleeping=str(sleeping)))
+    args = ("trainer.steps=5", "trainer.save_every=1", f"data.reward={reward}:score", "data.reward_timeout=900")
+    proc = subprocess.Popen(cli(out_dir, server_url, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for_checkpoint(out_dir, 2, proc)
+        flag.touch()
+        deadline = time.time() + 120
+        while not sleeping.exists():
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.1)
+        sent = time.time()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(10)
+    output = "".join(lines)
+    assert proc.returncode == 0, output[-3000:]
+    assert time.time() - sent < 40, output[-3000:]  # the reward sleeps 300 s
+    step = int(output.split("SIGTERM during step ")[1].split("'")[0])
+    assert f"checkpoint at step {step} written" in output, output[-3000:]
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == f"step_{step:08d}"
+    assert max(r["step"] for r in read_metrics(out_dir)) == step - 1
+    flag.unlink()
+    out = run(out_dir, server_url, *args)
+    assert f"at step {step}" in out.stdout
+    assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == list(range(5))
 
 
 def test_server_layout_checked_against_the_config(server_url):

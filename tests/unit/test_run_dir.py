@@ -145,7 +145,7 @@ def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
         assert not stop.requested()
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested() and stop.name() == "SIGINT"
-        assert capfd.readouterr().err.count("Ctrl-C: stopping after this step with a checkpoint") == 1
+        assert capfd.readouterr().err.count("Ctrl-C: stopping with a checkpoint") == 1
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     finally:
