@@ -11,6 +11,10 @@
   and every restart of a server waited 0-5 s (measured: SIGTERM -> exit 4.1 s on an idle CPU server)
   before the drain began. The fixed watchdog looks every 0.1 s and then runs SGLang's own drain and
   shutdown unchanged (requests still in flight are still waited for).
+- API keys out of the logs. SGLang logs its resolved arguments at start (`engine.py`
+  `_server_args_for_logging`), redacting only the watermark secrets: a server started with an API
+  key (rollout/auth.py) wrote it into its log, which lands in the run folder. The fixed function
+  also redacts `api_key` and `admin_api_key`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,21 @@ def _prompt_sigterm_watchdog(watchdog):
     return sigterm_watchdog
 
 
+SECRET_ARGS = ("api_key", "admin_api_key")
+
+
+def _redact_keys(for_logging):
+    def redacted(server_args):
+        out = for_logging(server_args)
+        for name in SECRET_ARGS:
+            if isinstance(out, dict) and out.get(name):
+                out[name] = "<redacted>"
+        return out
+
+    redacted._megatron_rl_fixed = True
+    return redacted
+
+
 def apply(version: str | None = None) -> None:
     import importlib
 
@@ -61,3 +80,7 @@ def apply(version: str | None = None) -> None:
 
     if not getattr(TokenizerManager.sigterm_watchdog, "_megatron_rl_fixed", False):
         TokenizerManager.sigterm_watchdog = _prompt_sigterm_watchdog(TokenizerManager.sigterm_watchdog)
+    from sglang.srt.entrypoints import engine
+
+    if not getattr(engine._server_args_for_logging, "_megatron_rl_fixed", False):
+        engine._server_args_for_logging = _redact_keys(engine._server_args_for_logging)

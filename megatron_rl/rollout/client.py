@@ -90,6 +90,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
+from . import auth
 from .records import (
     MalformedResponse,
     RolloutRecord,
@@ -438,6 +439,7 @@ class RolloutClient:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
+                headers=auth.headers(),  # the job's key (rollout/auth.py), on every request
                 # Idle pooled connections are dropped before the server's keep-alive timeout
                 # (uvicorn: 5 s) closes them: reusing one the server has closed fails the
                 # request ("Server disconnected") after every pause longer than that, e.g. each

@@ -6,6 +6,9 @@ takes SGLang's own server arguments and runs SGLang's HTTP server entry point
 (`sglang.launch_server`) with them. It applies `patches.sglang_fixes` (every device) and, with
 `--device cpu`, first `patches.sglang_cpu`.
 
+`MRL_SGLANG_API_KEY` in the environment becomes SGLang's `api_key` (rollout/auth.py): every request
+but the health probes must then carry it.
+
 `--exit-with-parent` (EngineManager's servers): the server shuts down once the process that started
 it is gone.
 
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
 
     load_plugins()
     server_args = prepare_server_args(argv)
+    from megatron_rl.rollout.auth import ENV
+
+    if os.environ.get(ENV) and not server_args.api_key:  # the job's key: from the environment, never argv
+        server_args.api_key = os.environ[ENV]
     try:
         run_server(server_args)
     finally:

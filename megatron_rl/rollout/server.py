@@ -70,7 +70,7 @@ class ServerConfig:
     """Address the servers listen on."""
     extra_args: tuple[str, ...] = ()
     """Further SGLang server arguments, passed through verbatim."""
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    env: dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
     """Extra environment variables for the server processes (set after launcher variables are
     removed, so one named here is kept)."""
     startup_timeout: float = 300.0
@@ -211,7 +211,10 @@ class SGLangServer:
         return cmd + ["--exit-with-parent"] + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        return server_environment(os.environ, self.config.env, device=self.config.device,
+        from megatron_rl.rollout import auth
+
+        extra = ({auth.ENV: auth.job_key()} if auth.job_key() else {}) | dict(self.config.env)  # the job's key
+        return server_environment(os.environ, extra, device=self.config.device,
                                   gpu_ids=self.gpu_ids)
 
     def start(self) -> None:

@@ -214,6 +214,9 @@ class Trainer:
         from transformers import AutoTokenizer
 
         validate(cfg)
+        from megatron_rl.rollout.auth import share_job_key
+
+        share_job_key()  # collective: the servers this job starts admit only its own requests (rollout/auth.py)
         self.cfg, self.ctx = cfg, ctx
         t = cfg.trainer
         self.out_dir = Path(t.out_dir)

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from megatron_rl.rollout import auth
+
 
 class WeightSyncError(RuntimeError):
     def __init__(self, message: str, unreachable: bool = False):
@@ -50,12 +52,12 @@ class ServerEndpoint:
     def server_info(self, timeout: float = 60.0) -> dict:
         """SGLang's resolved server arguments and scheduler state (tp_size, dp_size, pp_size,
         enable_deterministic_inference, ...; sglang 0.5.23's /server_info)."""
-        return self._request(urllib.request.Request(self.url.rstrip("/") + "/server_info", method="GET"),
-                             "/server_info", timeout)
+        return self._request(urllib.request.Request(self.url.rstrip("/") + "/server_info", method="GET",
+                                                    headers=auth.headers()), "/server_info", timeout)
 
     def post(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(payload or {}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+                                     headers={"Content-Type": "application/json", **auth.headers()}, method="POST")
         return self._request(req, path, timeout)
 
     def _request(self, req: urllib.request.Request, path: str, timeout: float) -> dict:

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_rl.models.tiny import make_tiny_checkpoint
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
+from megatron_rl.rollout import auth
 from megatron_rl.rollout.server import EngineManager, ServerConfig
 
 pytestmark = pytest.mark.slow
@@ -55,8 +57,55 @@ def moe(tmp_path_factory):
                                 init_std=0.3, seed=2)
     cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
                        enable_return_routed_experts=True)
-    with EngineManager(cfg, 2, log_dir=d / "logs", watch_interval=0.5) as mgr:
-        yield ckpt, mgr
+    # As in a job: its servers admit only requests with its key (rollout/auth.py), which every
+    # request of this module's clients carries.
+    auth.set_job_key(JOB_KEY)
+    try:
+        with EngineManager(cfg, 2, log_dir=d / "logs", watch_interval=0.5) as mgr:
+            yield ckpt, mgr
+    finally:
+        auth.set_job_key(None)
+
+
+JOB_KEY = auth.new_key()
+
+
+def test_a_jobs_server_refuses_requests_without_its_key(moe):
+    """Generation, a weight load, pausing, releasing memory and even reading the server's arguments
+    need the job's key; health probes do not; the job's own requests succeed (this module's
+    generations, a weight load here); the key is in neither the server's log nor its command line."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from megatron_rl.weights.endpoint import ServerEndpoint
+
+    ckpt, mgr = moe
+    url = mgr.urls()[0]
+
+    def status(path, payload=None, key=None):
+        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
+        req = urllib.request.Request(url + path, data=None if payload is None else json.dumps(payload).encode(),
+                                     headers=headers, method="GET" if payload is None else "POST")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert status("/health") == 200
+    for path, payload in [("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}),
+                          ("/update_weights_from_disk", {"model_path": "/tmp/elsewhere"}),
+                          ("/pause_generation", {"mode": "abort"}), ("/release_memory_occupation", {}),
+                          ("/server_info", None)]:
+        assert status(path, payload) == 401, path
+        assert status(path, payload, key="not-the-key") == 401, path
+    assert ServerEndpoint(url).post("/update_weights_from_disk", {"model_path": str(ckpt)})["success"]
+    assert status("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}, JOB_KEY) == 200
+    server = mgr.servers[0]
+    log = server.log_path.read_text()
+    assert JOB_KEY not in log and "'api_key': '<redacted>'" in log, log[-2000:]
+    assert JOB_KEY not in Path(f"/proc/{server.pid}/cmdline").read_text()
 
 
 def _generate(mgr, sampling, n, prompts=PROMPTS, **kw):

@@ -45,7 +45,9 @@ def main(argv: list[str]) -> int:
         replies = {}
         for url in urls:
             req = urllib.request.Request(
-                url + "/generate", headers={"Content-Type": "application/json"},
+                # the job's key (megatron_rl/rollout/auth.py: the sbatch makes it, the servers require it)
+                url + "/generate", headers={"Content-Type": "application/json",
+                                            "Authorization": f"Bearer {os.environ['MRL_SGLANG_API_KEY']}"},
                 data=json.dumps({"input_ids": [5, 6, 7],
                                  "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).encode())
             with urllib.request.urlopen(req, timeout=120) as r:
