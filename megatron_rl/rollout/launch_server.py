@@ -66,6 +66,22 @@ apply_patches()
 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+def _add_versions_route() -> None:
+    """GET /megatron_rl/versions: this server's torch, NCCL and SGLang, which the trainer compares with
+    its own before the weight-update group forms (weights/endpoint.py `check_nccl`)."""
+    import sglang
+    import torch
+    from sglang.srt.entrypoints.http_server import app
+
+    from megatron_rl.weights.endpoint import VERSIONS_ROUTE, nccl_version
+
+    versions = {"torch": torch.__version__, "nccl": nccl_version(), "sglang": sglang.__version__}
+
+    @app.get(VERSIONS_ROUTE)
+    async def _versions() -> dict:
+        return versions
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--exit-with-parent" in argv:
@@ -88,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if os.environ.get(ENV) and not server_args.api_key:  # the job's key: from the environment, never argv
         server_args.api_key = os.environ[ENV]
+    _add_versions_route()
     try:
         run_server(server_args)
     finally:

@@ -11,6 +11,7 @@ import logging
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Optional
 
 from megatron_rl.rollout import auth
 
@@ -52,8 +53,11 @@ class ServerEndpoint:
     def server_info(self, timeout: float = 60.0) -> dict:
         """SGLang's resolved server arguments and scheduler state (tp_size, dp_size, pp_size,
         enable_deterministic_inference, ...; sglang 0.5.23's /server_info)."""
-        return self._request(urllib.request.Request(self.url.rstrip("/") + "/server_info", method="GET",
-                                                    headers=auth.headers()), "/server_info", timeout)
+        return self.get("/server_info", timeout)
+
+    def get(self, path: str, timeout: float = 60.0) -> dict:
+        return self._request(urllib.request.Request(self.url.rstrip("/") + path, method="GET",
+                                                    headers=auth.headers()), path, timeout)
 
     def post(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
         req = urllib.request.Request(self.url.rstrip("/") + path, data=json.dumps(payload or {}).encode(),
@@ -75,3 +79,39 @@ class ServerEndpoint:
         if isinstance(out, dict) and out.get("success") is False:
             raise WeightSyncError(f"{self.url}{path}: {out.get('message')}")
         return out
+
+
+def nccl_version() -> Optional[str]:
+    """This process's NCCL ("2.30.7"), or None where torch has none (a CPU build)."""
+    import torch
+
+    try:
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+VERSIONS_ROUTE = "/megatron_rl/versions"  # rollout/launch_server.py's: torch, NCCL, SGLang of the server
+
+
+def check_nccl(endpoints, learner: Optional[str] = None) -> None:
+    """Before the weight-update group forms: every server's NCCL is the learner's. NCCL refuses to
+    connect ranks of different versions, or hangs: a server from another image (ROLLOUT_CONTAINER_IMAGE)
+    is found here, named with both versions. A server not started by megatron_rl.rollout.launch_server
+    (no version route) is not checked, and said so."""
+    learner = nccl_version() if learner is None else learner
+    for ep in endpoints:
+        try:
+            theirs = ep.get(VERSIONS_ROUTE)
+        except WeightSyncError as e:
+            if "HTTP 404" in str(e):
+                logging.getLogger(__name__).warning("%s was not started by megatron_rl.rollout.launch_server: its NCCL version is not "
+                            "checked against the learner's (%s)", ep.url, learner)
+                continue
+            raise
+        if theirs.get("nccl") != learner:
+            raise WeightSyncError(
+                f"rollout server {ep.url} has NCCL {theirs.get('nccl') or 'none'} (torch {theirs.get('torch')}), "
+                f"the learner NCCL {learner or 'none'}: the weight-update group needs one NCCL version on both "
+                "sides; run the servers from the learners' image (ROLLOUT_CONTAINER_IMAGE / ROLLOUT_PYTHON) or "
+                "one built from the same lock (requirements/gpu-lock.txt)")

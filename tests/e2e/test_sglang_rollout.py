@@ -97,7 +97,7 @@ def test_a_jobs_server_refuses_requests_without_its_key(moe):
     for path, payload in [("/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}}),
                           ("/update_weights_from_disk", {"model_path": "/tmp/elsewhere"}),
                           ("/pause_generation", {"mode": "abort"}), ("/release_memory_occupation", {}),
-                          ("/server_info", None)]:
+                          ("/server_info", None), ("/megatron_rl/versions", None)]:
         assert status(path, payload) == 401, path
         assert status(path, payload, key="not-the-key") == 401, path
     assert ServerEndpoint(url).post("/update_weights_from_disk", {"model_path": str(ckpt)})["success"]
@@ -106,6 +106,23 @@ def test_a_jobs_server_refuses_requests_without_its_key(moe):
     log = server.log_path.read_text()
     assert JOB_KEY not in log and "'api_key': '<redacted>'" in log, log[-2000:]
     assert JOB_KEY not in Path(f"/proc/{server.pid}/cmdline").read_text()
+
+
+def test_nccl_of_a_server_checked_against_the_learners(moe):
+    """Before the weight-update group forms, each server's NCCL (its /megatron_rl/versions, from
+    launch_server) must be the learner's; here the server's torch is a CPU build (no NCCL) and the
+    learner is said to have 2.30.7, as a learner on a GPU image beside servers of a CPU image would."""
+    from importlib.metadata import version
+
+    from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError, check_nccl, nccl_version
+
+    ep = ServerEndpoint(moe[1].urls()[0])
+    assert ep.get("/megatron_rl/versions") == {"torch": torch.__version__, "nccl": nccl_version(),
+                                                "sglang": version("sglang")}
+    check_nccl([ep])  # the same build on both sides
+    with pytest.raises(WeightSyncError, match=r"rollout server http://\S+ has NCCL none \(torch .+\), the "
+                                              r"learner NCCL 2\.30\.7: the weight-update group needs one NCCL"):
+        check_nccl([ep], learner="2.30.7")
 
 
 def _generate(mgr, sampling, n, prompts=PROMPTS, **kw):
