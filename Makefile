@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean gpu-prepare gpu-dry-run
+.PHONY: setup demo test test-fast bench clean gpu-prepare gpu-dry-run gpu-env
 
 setup: $(STAMP)
 
@@ -53,6 +53,32 @@ gpu-prepare: $(STAMP)
 
 gpu-dry-run: $(STAMP)
 	PY=$(abspath $(PY)) bash tests/gpu/suite.sh dry-run
+
+# The GPU environment (docs/cluster.md) as a plain venv on a cluster node with a CUDA 13 toolkit (nvcc
+# on PATH, e.g. after `module load cuda/13.0`): exactly requirements/gpu-lock.txt, hash-checked, with
+# the same pip commands as docker/Dockerfile.gpu (keep the two alike). In three steps because pip builds
+# an sdist before it installs anything: setuptools + wheel first, then every other pin (the sdist
+# antlr4-python3-runtime built with those), then Transformer Engine's torch extension, built from its
+# sdist against the torch just installed (--no-build-isolation, as TE requires; NVTE_PYTORCH_FORCE_BUILD
+# stops its setup.py fetching a prebuilt wheel from GitHub). GPU_ARCHS: 90 = H100/H200, "90;100" adds B200.
+GPU_VENV ?= .venv-gpu
+GPU_PYTHON ?= python3.12
+GPU_ARCHS ?= 90
+GPU_LOCK := requirements/gpu-lock.txt
+GPU_PICK = awk -v pick='$(1)' -v keep=$(2) '/^[^ \#]/ { hit = ($$0 ~ pick) } hit == keep' $(GPU_LOCK)
+gpu-env:
+	@command -v nvcc >/dev/null && nvcc --version | grep -q 'release 13\.' || \
+		{ echo "gpu-env: needs a CUDA 13 toolkit's nvcc on PATH (found: $$(command -v nvcc || echo none))"; exit 1; }
+	$(GPU_PYTHON) -m venv $(GPU_VENV)
+	$(call GPU_PICK,^(setuptools|wheel)==,1) > $(GPU_VENV)/lock-build.txt
+	$(call GPU_PICK,^(setuptools|wheel|transformer-engine-torch)==,0) > $(GPU_VENV)/lock-main.txt
+	$(call GPU_PICK,^transformer-engine-torch==,1) > $(GPU_VENV)/lock-te.txt
+	$(GPU_VENV)/bin/pip install --require-hashes --no-deps -r $(GPU_VENV)/lock-build.txt
+	$(GPU_VENV)/bin/pip install --require-hashes --no-deps --no-build-isolation -r $(GPU_VENV)/lock-main.txt
+	NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS='$(GPU_ARCHS)' MAX_JOBS=$${MAX_JOBS:-8} \
+		$(GPU_VENV)/bin/pip install --require-hashes --no-deps --no-build-isolation -r $(GPU_VENV)/lock-te.txt
+	$(GPU_VENV)/bin/pip install --no-deps --no-build-isolation -e .
+	$(GPU_VENV)/bin/python -c "import torch, transformer_engine.pytorch, megatron.core, sglang; print('gpu-env: torch', torch.__version__, 'CUDA', torch.version.cuda)"
 
 clean:
 	rm -rf $(VENV)
