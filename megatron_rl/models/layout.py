@@ -92,7 +92,7 @@ def check_layout(model, parallel) -> Optional[Architecture]:
 def parameter_count(model) -> Optional[int]:
     """The model's parameters, from its HF config.json (Qwen3 / Qwen3-MoE / Llama-like: embeddings,
     attention with optional q/k norms, dense or MoE MLPs, norms, an LM head unless tied), or from
-    `model.tiny`; None when there is no config yet."""
+    `model.tiny`; None when there is no config yet, or one without the decoder's shape."""
     if model.hf_path is None:
         t = model.tiny
         c = dict(hidden_size=t.hidden, num_hidden_layers=t.num_layers, num_attention_heads=t.heads,
@@ -105,6 +105,8 @@ def parameter_count(model) -> Optional[int]:
         if not path.is_file():
             return None
         c = json.loads(path.read_text())
+    if any(k not in c for k in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")):
+        return None  # not a decoder config this knows how to count
     h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     heads = c["num_attention_heads"]
     kv, hd = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads

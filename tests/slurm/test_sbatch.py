@@ -148,7 +148,7 @@ def test_two_ranks_on_two_nodes_tp2_complete(slurm_cluster, tmp_path):
     # a GPU recipe on a Python without CUDA (the submit dir's CPU venv): named, before anything starts
     ("train", ["dppo_binary_tv_qwen3_30b_a3b_base_r3"],
      f"not yet run at scale), and this Python finds none: {sys.executable} (torch "),
-])
+], ids=["unknown-recipe", "misspelt-key", "missing-dataset", "gpu-recipe-without-cuda"])
 def test_bad_config_fails_fast(slurm_cluster, tmp_path, command, args, message):
     start = time.monotonic()
     jobid = submit(tmp_path, args, {"MRL_COMMAND": command})
