@@ -33,13 +33,15 @@ class ServedRewardModel:
         self.manager = self.client = None
         urls = list(rm.server_urls)
         if ctx.rank == 0 and not urls:
+            from megatron_rl.rollout import auth
             from megatron_rl.rollout.server import EngineManager, ServerConfig
             from megatron_rl.trainer.rollouts import server_device, server_dtype
 
             self.manager = EngineManager(
                 ServerConfig(model_path=str(hf_path), device=server_device(cfg), dtype=server_dtype(cfg),
                              tp_size=rm.server_tp, max_total_tokens=rm.max_total_tokens,
-                             mem_fraction_static=rm.mem_fraction_static, extra_args=("--is-embedding",)),
+                             mem_fraction_static=rm.mem_fraction_static, extra_args=("--is-embedding",),
+                             env=auth.server_env()),  # the job's key (rollout/auth.py)
                 rm.num_servers, log_dir=out_dir / "reward_server_logs").start()
         # Every model-parallel leader scores its own data-parallel rank's sequences.
         shared = [self.manager.urls() if self.manager else urls]

@@ -11,7 +11,7 @@ line, where `ps` would show it), SGLang then refuses every request without `Auth
 weights/endpoint.py) send it. SGLang logs its arguments at start; patches/sglang_fixes.py redacts
 the key there. SGLang 0.5.23 marks no route admin-only, so one key serves for everything.
 
-The key lives in this module (not in os.environ), so a process only sends one if it belongs to a job.
+A key a trainer makes lives in this module, not in os.environ: only the job's own processes send it.
 """
 
 from __future__ import annotations
@@ -30,16 +30,26 @@ def set_job_key(key: Optional[str]) -> None:
 
 
 def job_key() -> Optional[str]:
-    return _key
+    """The key set for this job (share_job_key), else the environment's (a tool run inside an sbatch
+    script, whose servers inherit the same variable), else None."""
+    return _key or os.environ.get(ENV) or None
 
 
 def new_key() -> str:
     return secrets.token_urlsafe(32)
 
 
+def server_env() -> dict[str, str]:
+    """The environment that gives a server this job's key (ServerConfig.env of the servers a job
+    starts; {} outside a job)."""
+    key = job_key()
+    return {ENV: key} if key else {}
+
+
 def headers() -> dict[str, str]:
     """The Authorization header of this job's requests ({} outside a job)."""
-    return {"Authorization": f"Bearer {_key}"} if _key else {}
+    key = job_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def share_job_key(environ=os.environ) -> str:

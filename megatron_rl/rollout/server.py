@@ -211,10 +211,7 @@ class SGLangServer:
         return cmd + ["--exit-with-parent"] + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        from megatron_rl.rollout import auth
-
-        extra = ({auth.ENV: auth.job_key()} if auth.job_key() else {}) | dict(self.config.env)  # the job's key
-        return server_environment(os.environ, extra, device=self.config.device,
+        return server_environment(os.environ, self.config.env, device=self.config.device,
                                   gpu_ids=self.gpu_ids)
 
     def start(self) -> None:

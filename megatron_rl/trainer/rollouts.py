@@ -35,7 +35,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.rewards import get_reward
 from megatron_rl.rewards.pool import RewardPool
-from megatron_rl.rollout import placement
+from megatron_rl.rollout import auth, placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
 from megatron_rl.rollout.episode import load_episode_fn, sample_episodes
 from megatron_rl.rollout.memory import return_large_frees
@@ -92,7 +92,7 @@ class Rollouts:
                              tp_size=r.server_tp, max_total_tokens=r.max_total_tokens,
                              mem_fraction_static=r.mem_fraction_static,
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
-                             extra_args=server_extra_args(cfg)),
+                             extra_args=server_extra_args(cfg), env=auth.server_env()),
                 r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
             # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
             # first request: a mismatch is one clear error here, not a rendezvous hang later.

@@ -55,11 +55,11 @@ def moe(tmp_path_factory):
     d = tmp_path_factory.mktemp("sglang_moe")
     ckpt = make_tiny_checkpoint(d / "ckpt", moe=True, topk=MOE_TOPK, num_experts=NUM_EXPERTS,
                                 init_std=0.3, seed=2)
-    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
-                       enable_return_routed_experts=True)
     # As in a job: its servers admit only requests with its key (rollout/auth.py), which every
     # request of this module's clients carries.
     auth.set_job_key(JOB_KEY)
+    cfg = ServerConfig(model_path=str(ckpt), max_total_tokens=4096,
+                       enable_return_routed_experts=True, env=auth.server_env())
     try:
         with EngineManager(cfg, 2, log_dir=d / "logs", watch_interval=0.5) as mgr:
             yield ckpt, mgr
