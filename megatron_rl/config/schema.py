@@ -248,6 +248,7 @@ class EvalConfig:
     temperature: float = 1.0  # eval sampling temperature
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
+    timeout: Optional[float] = None  # seconds an evaluation may take (the other ranks wait for it): then what finished is scored, the rest aborted and counted in eval/missing_samples; None = no limit (keep it below trainer.rollout_wait_timeout)
 
 
 @dataclass

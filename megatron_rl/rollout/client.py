@@ -764,6 +764,32 @@ class RolloutClient:
                    for i, row in enumerate(out) for j, r in enumerate(row))
         return out
 
+    async def generate_until(self, deadline_s: float, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                             n: int = 1, on_record: Callable[[RolloutRecord], None] | None = None,
+                             **kw) -> tuple[list[list[RolloutRecord]], int]:
+        """`generate` within `deadline_s` seconds: every sample if they all finish in time; else the
+        samples finished by then (each prompt's, by sample index), the number missing, and every
+        request still running aborted. After a deadline this client is spent (`abort`): make a new
+        one."""
+        delivered: list[RolloutRecord] = []
+
+        def keep(rec: RolloutRecord) -> None:
+            delivered.append(rec)
+            if on_record is not None:
+                on_record(rec)
+
+        task = asyncio.ensure_future(self.generate(prompts, sampling, n=n, on_record=keep, **kw))
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), deadline_s), 0
+        except asyncio.TimeoutError:
+            await self.abort()
+            with contextlib.suppress(GenerationAborted, asyncio.CancelledError):
+                await task
+        groups: list[list[RolloutRecord]] = [[] for _ in prompts]
+        for rec in sorted(delivered, key=lambda r: (r.prompt_index, r.sample_index)):
+            groups[rec.prompt_index].append(rec)
+        return groups, len(prompts) * n - len(delivered)
+
     async def abort(self) -> None:
         """Abort every in-flight request of this client; running `generate` calls raise
         GenerationAborted."""

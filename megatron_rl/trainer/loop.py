@@ -199,6 +199,10 @@ def validate(cfg: JobConfig) -> None:
         raise ValueError("rollout.partial_rollouts=true cuts generation in flight at a weight push; it needs "
                          "trainer.max_staleness >= 1 and trainer.mode=train (synchronously nothing is in flight "
                          "at a push)")
+    e, t = cfg.eval, cfg.trainer
+    if e.timeout is not None and not 0 < e.timeout < t.rollout_wait_timeout:
+        raise ValueError(f"eval.timeout={e.timeout}: seconds, more than 0 and less than trainer.rollout_wait_timeout="
+                         f"{t.rollout_wait_timeout:g} (the other ranks wait that long for the evaluation)")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server

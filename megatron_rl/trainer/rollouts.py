@@ -63,6 +63,23 @@ def server_extra_args(cfg: JobConfig) -> tuple[str, ...]:
     return tuple(r.extra_server_args) + ((flag,) if r.seeded and flag not in r.extra_server_args else ())
 
 
+def eval_metrics(rewards: list[list[float]], k: int, missing: int = 0) -> dict[str, float]:
+    """mean@k (over the samples) and pass@k (a prompt passes when one of its k samples scores above
+    0). With samples `missing` (eval.timeout), mean@k is over the samples that finished and pass@k
+    over the prompts whose k samples all did (fewer samples would understate it); a metric with
+    nothing to average over is left out, and eval/missing_samples counts the rest."""
+    finished = [r for row in rewards for r in row]
+    whole = [row for row in rewards if len(row) == k]
+    out = {}
+    if finished:
+        out[f"eval/mean@{k}"] = sum(finished) / len(finished)
+    if whole:
+        out[f"eval/pass@{k}"] = sum(any(r > 0 for r in row) for row in whole) / len(whole)
+    if missing:
+        out["eval/missing_samples"] = float(missing)
+    return out
+
+
 class Rollouts:
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, hf_path: Path, tokenizer,
                  out_dir: Path, moe_topk: Optional[int], num_experts: Optional[int] = None):
@@ -242,13 +259,15 @@ class Rollouts:
                               seed=seed)
 
     def sample(self, prompts: list[Prompt], n: int, sampling: SamplingParams, top_k: int = 0,
-               routes: bool = False, first_index: Optional[list[int]] = None
+               routes: bool = False, first_index: Optional[list[int]] = None, deadline_s: Optional[float] = None
                ) -> tuple[list[list[RolloutRecord]], list[list[float]], dict[str, float]]:
         """n samples of each prompt and their rewards (scored by the pool while the other samples
         are still generating); metrics: reward/timeouts, time/reward_wait. `first_index`: the
         prompts' indices in the whole round, so that a seeded sample's seed does not depend on
         which producer draws it. With rollout.generate each sample is an episode of the user's
-        function (rollout/episode.py); one that sets its own reward is not sent to the pool."""
+        function (rollout/episode.py); one that sets its own reward is not sent to the pool.
+        `deadline_s` (plain generation only): what is not finished by then is aborted and left out
+        (a prompt's lists hold its finished samples only); metrics["missing_samples"] counts them."""
         call = next(self._calls)
         own: dict[tuple[int, int, int], float] = {}  # rewards episodes set themselves
 
@@ -277,6 +296,15 @@ class Rollouts:
                     for k, (p, i) in enumerate(zip(prompts, first_index))))
 
             groups = [g for out in self._run(calls()) for g in out]
+        elif deadline_s is not None:
+            groups, missing = self._run(self.client.generate_until(
+                deadline_s, [p.ids for p in prompts], sampling, n=n, top_k_logprobs=top_k,
+                return_routed_experts=routes, on_record=scorer(0)))
+            if missing:
+                self.close_lane()  # the aborted client is spent; this thread makes a new one when it next asks
+            got = self.rewards.collect([(call, i, rec.sample_index) for i, g in enumerate(groups) for rec in g])
+            rewards = [[got.scores[(call, i, rec.sample_index)] for rec in g] for i, g in enumerate(groups)]
+            return groups, rewards, got.metrics() | {"missing_samples": float(missing)}
         else:
             groups = self._run(self.client.generate([p.ids for p in prompts], sampling, n=n, top_k_logprobs=top_k,
                                                     return_routed_experts=routes, on_record=scorer(0)))
@@ -383,12 +411,17 @@ class Rollouts:
     def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
         """Rank 0: mean@k and pass@k on held-out prompts (episodes of rollout.generate when set)."""
         e = self.cfg.eval
-        _, rewards, _ = self.sample(prompts, e.k, self.sampling(step, e.temperature,
-                                                                e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                                                e.top_p, salt=999))
-        rewards = torch.tensor(rewards)
-        return {f"eval/mean@{e.k}": float(rewards.mean()),
-                f"eval/pass@{e.k}": float((rewards > 0).any(dim=1).float().mean())}
+        sampling = self.sampling(step, e.temperature, e.max_new_tokens or self.cfg.rollout.max_new_tokens, e.top_p,
+                                 salt=999)
+        deadline = e.timeout if self.episode_fn is None else None
+        _, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+        missing = int(metrics.get("missing_samples", 0))
+        if missing:
+            finished = sum(map(len, rewards))
+            print(f"[megatron-rl] eval at step {step}: eval.timeout={e.timeout:g}s reached, {missing} of "
+                  f"{len(prompts) * e.k} samples aborted; metrics over the {finished} that finished "
+                  f"({sum(len(row) == e.k for row in rewards)} prompts complete)", flush=True)
+        return eval_metrics(rewards, e.k, missing)
 
     # ------------------------------------------------------------------------------------------
     def _make_transport(self, learner):

@@ -722,3 +722,45 @@ def test_a_hung_server_is_found_by_its_silence_and_its_requests_finish_elsewhere
     assert 1.0 < wall < 4, wall
     with pytest.raises(ValueError, match="stall_timeout"):
         RolloutClient(["http://x"], stall_timeout=0)
+
+
+def test_generate_until_a_deadline_returns_what_finished_and_aborts_the_rest():
+    """eval.timeout's generation (Rollouts.evaluate): sample (0, 1) is still decoding at the 0.5 s
+    deadline: the other samples come back by prompt and sample index, that one is counted missing,
+    its request is aborted on the server, and the call returns at the deadline, not after it."""
+    aborted = asyncio.Event()
+
+    async def slow():  # answers only once aborted (as SGLang answers an aborted request), or after 10 s
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(aborted.wait(), 10)
+
+    server = FakeSGLang(hold={(0, 1): slow})
+    abort_request = server.abort_request
+
+    async def note_abort(request):
+        if request.path == "/abort_request":
+            aborted.set()
+        return await abort_request(request)
+
+    server.abort_request = note_abort
+
+    async def go():
+        async with server:
+            async with RolloutClient([server.url], backoff_initial=0.05, stall_timeout=None) as client:
+                start = time.monotonic()
+                out = await client.generate_until(0.5, PROMPTS, SamplingParams(max_new_tokens=7), n=2)
+                return out, time.monotonic() - start
+
+    (groups, missing), wall = asyncio.run(go())
+    assert missing == 1 and aborted.is_set()
+    assert [[r.sample_index for r in g] for g in groups] == [[0], [0, 1]]
+    assert [r.prompt_index for r in groups[1]] == [1, 1]
+    assert 0.5 <= wall < 3, wall
+
+    async def all_in_time():
+        async with FakeSGLang() as srv:
+            async with RolloutClient([srv.url], stall_timeout=None) as client:
+                return await client.generate_until(30, PROMPTS, SamplingParams(max_new_tokens=7), n=2)
+
+    groups, missing = asyncio.run(all_in_time())
+    assert missing == 0 and [[r.sample_index for r in g] for g in groups] == [[0, 1], [0, 1]]

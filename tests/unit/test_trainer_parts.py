@@ -467,3 +467,15 @@ def test_data_path_settings_are_checked(override, message):
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config("tiny_cpu", [override])))
+
+
+def test_eval_metrics_with_and_without_missing_samples():
+    """What an evaluation cut by eval.timeout reports, against the arithmetic written out."""
+    from megatron_rl.trainer.rollouts import eval_metrics
+
+    full = [[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
+    assert eval_metrics(full, 2) == {"eval/mean@2": 0.5, "eval/pass@2": 2 / 3}
+    cut = [[0.0], [0.0, 0.0], [1.0, 1.0]]  # prompt 0's second sample aborted
+    assert eval_metrics(cut, 2, missing=1) == {"eval/mean@2": 2 / 5, "eval/pass@2": 1 / 2,
+                                              "eval/missing_samples": 1.0}
+    assert eval_metrics([[], []], 2, missing=4) == {"eval/missing_samples": 4.0}  # nothing finished: no NaN
