@@ -125,19 +125,19 @@ class LeaderSignal:
             self._begin(key)
             self._store.set(self._keys(key)[0], text)
 
-    def post_done(self, key: str) -> None:
-        """Leader: the job behind `key` finished; waiters return from `wait`."""
+    def _post_status(self, key: str, status: str) -> None:
         with self._lock:
             self._begin(key)
-            self._store.set(self._keys(key)[1], _DONE)
+            self._store.set(self._keys(key)[1], status)
             self._current_finished = True
+
+    def post_done(self, key: str) -> None:
+        """Leader: the job behind `key` finished; waiters return from `wait`."""
+        self._post_status(key, _DONE)
 
     def post_error(self, key: str, message: str) -> None:
         """Leader: the job behind `key` failed; waiters raise LeaderFailed with `message`."""
-        with self._lock:
-            self._begin(key)
-            self._store.set(self._keys(key)[1], _ERROR + message)
-            self._current_finished = True
+        self._post_status(key, _ERROR + message)
 
     @contextlib.contextmanager
     def leading(self, key: str) -> Iterator[None]:
@@ -146,10 +146,7 @@ class LeaderSignal:
         try:
             yield
         except Interrupted:
-            with self._lock:
-                self._begin(key)
-                self._store.set(self._keys(key)[1], _INTERRUPTED)
-                self._current_finished = True
+            self._post_status(key, _INTERRUPTED)
             raise
         except BaseException as e:
             self.post_error(key, f"{type(e).__name__}: {e}")

@@ -444,17 +444,13 @@ def checked_endpoints(urls: Sequence[str], cfg: JobConfig):
             raise ValueError(f"rollout server {url} runs without --enable-return-routed-experts, which "
                              "algorithm.router_replay=r3 needs")
         out.append(ServerEndpoint(url, tp_size=tp))
-    if r.weight_sync == "distributed" and torch_has_cuda():
+    import torch  # here, not at import: launch_server imports this module before CUDA is set up
+
+    if r.weight_sync == "distributed" and torch.cuda.is_available():
         from megatron_rl.weights.endpoint import check_nccl
 
         check_nccl(out)  # the update group's NCCL: one version on both sides
     return out
-
-
-def torch_has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def visible_devices() -> Optional[list[str]]:

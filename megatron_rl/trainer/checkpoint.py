@@ -269,32 +269,32 @@ class Checkpointer:
     **A failure on any rank ends every rank within seconds, naming it.** The ranks are often inside
     a collective when one of them fails (its peers wait in the all-reduce that asks whether every
     writer is done, or in megatron-core's gathers), and would sit there until the process group's
-    timeout (30 minutes). The failing rank posts its error on the c10d store (`<name>/failed/<r>`)
-    and raises CheckpointError; the others raise the same at the next meeting on the store, and a
-    watcher thread, running while a save is in progress, ends a rank that is stuck in a collective
-    (after `grace_s`, so that one about to raise does so itself) with a line naming the failed rank
-    and its error. Because the c10d store lives on global rank 0, its disappearance counts as rank
-    0's failure.
+    timeout (30 minutes). The failing rank posts its error on the c10d store (one key, `<name>/failed`:
+    a watcher reads one key per second, whatever the number of ranks) and raises CheckpointError. A
+    failed write reaches the others through the all-reduce that asks whether every writer is done,
+    and they raise naming it; a watcher thread, running while a save is in progress, ends a rank that
+    is stuck in a collective (after `grace_s`, so that one about to raise does so itself) with a line
+    naming the failed rank and its error. Because the c10d store lives on global rank 0, its
+    disappearance counts as rank 0's failure.
     """
 
     def __init__(self, out_dir: str | Path, keep: int = 2, async_save: bool = False,
-                 device: torch.device | str = "cpu", timeout_s: float = 1800.0, log_every_s: float = 300.0,
-                 grace_s: float = 5.0, log: Callable[[str], None] = print, name: str = "checkpoint"):
+                 device: torch.device | str = "cpu", grace_s: float = 5.0, name: str = "checkpoint"):
         self.root = checkpoints_root(out_dir)
         self.keep, self.async_save, self.device = keep, bool(async_save), torch.device(device)
-        self.grace_s, self.log = float(grace_s), log
+        self.grace_s = float(grace_s)
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
         self.pending: Optional[_Save] = None
         self.last: dict[str, float] = {}  # the last finished save: blocked_s, written_s, total_s
         self.blocked_total_s = 0.0  # seconds the callers were held up by saves, all saves together
-        self._meeting = self._watch_store = None
+        self._failed_key = f"{name}/failed"  # "<rank>\n<error>" of the first rank to post one
+        self._store = self._watch_store = None  # connections of their own: this thread's, the watcher's
         if self.world > 1:
-            from megatron_rl.distributed.wait import StoreMeeting, _checked_store
+            from megatron_rl.distributed.wait import _checked_store
 
-            self._meeting = StoreMeeting(name, self.rank, self.world, timeout_s=timeout_s,
-                                         log_every_s=log_every_s, poll_s=0.1, timeout_name="trainer.collective_timeout")
+            self._store = _checked_store("Checkpointer", None)
             self._watch_store = _checked_store("Checkpointer", None)
         self._watching: Optional[threading.Event] = None
 
@@ -372,15 +372,16 @@ class Checkpointer:
             if done and job.written_s is None:
                 job.written_s = time.monotonic() - job.started
                 failed = "; ".join(p for p in (_write_result(r, job.process) for r in job.requests) if p) or None
-                if failed and self._meeting is not None:
-                    self._meeting.fail(failed)  # before the all-reduce: the others read it after
+                if failed:
+                    self._post_failure(failed)  # before the all-reduce: the others read it after
             if self.world > 1:  # every rank decides alike: all written, or someone failed
                 flags = torch.tensor([0 if done else 1, 1 if failed else 0], dtype=torch.int32, device=self.device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
                 done, someone_failed = int(flags[0]) == 0, int(flags[1]) == 1
                 if someone_failed and not failed:
                     self._abandon()
-                    raise CheckpointError(f"checkpoint of step {job.step} failed on {self._failures()}; the "
+                    rank, message = self._read_failure(self._store) or ("another rank", "")
+                    raise CheckpointError(f"checkpoint of step {job.step} failed on rank {rank}: {message}; the "
                                           "previous checkpoint is intact")
             if failed:
                 raise _WriteFailed(failed)
@@ -422,30 +423,22 @@ class Checkpointer:
         _barrier()
 
     # -- failure ---------------------------------------------------------------------------------
-    def _meet(self, step: int, what: str) -> None:
-        """Every rank reaches this point (on the store: a rank that failed is named, not waited for)."""
-        if self._meeting is None:
-            return
-        from megatron_rl.distributed.wait import LeaderFailed
+    def _post_failure(self, message: str) -> None:
+        if self._store is not None:
+            self._store.set(self._failed_key, f"{self.rank}\n{message}")
 
-        try:
-            self._meeting.meet(f"{step}/{what}")
-        except LeaderFailed as e:
-            self._unwatch()
-            raise CheckpointError(f"checkpoint of step {step}: {e}; the previous checkpoint is intact") from None
-
-    def _failures(self) -> str:
-        """The ranks that posted a failure, with their messages."""
-        store, prefix = self._watch_store, f"{self._meeting.prefix}/failed"
-        found = [f"rank {r}: {store.get(f'{prefix}/{r}').decode()}" for r in range(self.world)
-                 if store.check([f"{prefix}/{r}"])]
-        return "; ".join(found) or "another rank"
+    def _read_failure(self, store) -> Optional[tuple[int, str]]:
+        """(rank, error) posted by a failed rank, or None."""
+        if not store.check([self._failed_key]):
+            return None
+        rank, message = store.get(self._failed_key).decode().split("\n", 1)
+        return int(rank), message
 
     def _fail(self, step: int, error: BaseException):
         message = str(error) if isinstance(error, _WriteFailed) else f"{type(error).__name__}: {error}"
-        if self._meeting is not None:
+        if self._store is not None:
             try:
-                self._meeting.fail(message)
+                self._post_failure(message)
                 if self.rank == 0 and not isinstance(error, _WriteFailed):  # the store lives here: let the
                     # others read the message first (a write failure they learn at the all-reduce)
                     time.sleep(2.0)
@@ -467,15 +460,15 @@ class Checkpointer:
         if self._watch_store is None:
             return
         stop = self._watching = threading.Event()
-        store, prefix = self._watch_store, f"{self._meeting.prefix}/failed"
+        store = self._watch_store
 
         def watch() -> None:
             while not stop.wait(1.0):
                 try:
-                    failed = [r for r in range(self.world) if r != self.rank and store.check([f"{prefix}/{r}"])]
-                    if not failed:
+                    failure = self._read_failure(store)
+                    if failure is None or failure[0] == self.rank:
                         continue
-                    rank, message = failed[0], store.get(f"{prefix}/{failed[0]}").decode()
+                    rank, message = failure
                 except dist.DistError:
                     rank, message = 0, "the c10d store it holds is gone (the process ended)"
                 if stop.wait(self.grace_s):

@@ -131,8 +131,7 @@ class Operations:
         self.ctx, self.log = ctx, log
         self.stop = StopRequest(ctx.device, announce=ctx.rank == 0)
         self.checkpointer = Checkpointer(out_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                                         device=ctx.device, timeout_s=t.collective_timeout,
-                                         log_every_s=t.rollout_wait_log_every, log=log)
+                                         device=ctx.device)
         self.margin = float(t.time_limit_margin)
         self.clock = clock if clock is not None else JobClock(t.time_limit, log=log) if ctx.rank == 0 else None
         self._steps: collections.deque[float] = collections.deque(maxlen=5)  # recent step seconds, saves excluded

@@ -56,11 +56,12 @@ def server_dtype(cfg: JobConfig) -> str:
 
 
 def server_extra_args(cfg: JobConfig) -> tuple[str, ...]:
-    """SGLang arguments of servers started for this config: rollout.extra_server_args, plus the
-    deterministic mode that seeded sampling needs (SGLang ignores the seeds without it)."""
-    r = cfg.rollout
-    flag = "--enable-deterministic-inference"
-    return tuple(r.extra_server_args) + ((flag,) if r.seeded and flag not in r.extra_server_args else ())
+    """SGLang arguments of servers started for this config: rollout.extra_server_args, plus the flags
+    the recipe implies (placement.implied_server_args, the launcher's rule too), but routed experts,
+    which ServerConfig.enable_return_routed_experts adds."""
+    extra = list(cfg.rollout.extra_server_args)
+    implied = placement.implied_server_args(cfg, extra)
+    return tuple(extra) + tuple(f for f in implied if f != "--enable-return-routed-experts")
 
 
 def eval_metrics(rewards: list[list[float]], k: int, missing: int = 0) -> dict[str, float]:
