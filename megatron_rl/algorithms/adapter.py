@@ -128,6 +128,8 @@ def compute_policy_loss(
         masked=metrics["masked"], clipped=metrics["clipped"], ratio=metrics["ratio"],
         divergence=metrics.get("divergence", divergence), entropy=entropy, old_logp=old_logp,
         extra_indicators=extra, totals=totals,
+        split_indicators={"reversed": metrics["reversed"]} if "reversed" in metrics else None,
+        split_values={"drpo_w": metrics["drpo_w"]} if "drpo_w" in metrics else None,
     )
     return total, stats
 

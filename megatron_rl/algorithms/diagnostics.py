@@ -69,11 +69,16 @@ class DiagnosticStats:
         m = dict(zip(self.max_keys, self.maxes.tolist()))
         out: dict[str, float] = {"tokens": s["count/all"]}
         total = max(s["count/all"], 1.0)
+        split_kinds = [k[:-len("/all")] for k in s if k.startswith(("ind:", "val:")) and k.endswith("/all")]
         for split in SPLITS:
             count = s[f"count/{split}"]
             suffix = "" if split == "all" else f"/{split}"
             for ind in INDICATORS:
                 out[f"{ind}_frac{suffix}"] = s[f"{ind}/{split}"] / max(count, 1.0)
+            for kind in split_kinds:  # a loss's own per-split indicators and values (DRPO's w)
+                name = kind[4:]
+                key = f"{name}_frac{suffix}" if kind.startswith("ind:") else f"{name}/mean{suffix}"
+                out[key] = s[f"{kind}/{split}"] / max(count, 1.0)
             if split != "all":
                 out[f"token_frac/{split}"] = count / total
         for key in sorted(k for k in s if k.startswith("extra/") and k.endswith("/sum")):
@@ -119,9 +124,13 @@ def collect(
     masked: Tensor, clipped: Tensor, ratio: Tensor, divergence: Tensor | None = None,
     entropy: Tensor | None = None, old_logp: Tensor | None = None,
     extra_indicators: dict[str, Tensor] | None = None, totals: dict[str, Tensor] | None = None,
+    split_indicators: dict[str, Tensor] | None = None, split_values: dict[str, Tensor] | None = None,
 ) -> DiagnosticStats:
     """Statistics of one micro-batch. All tensors have the token shape of `response_mask`.
 
+    `split_indicators` (bool per token) and `split_values` (float per token) are a loss's own
+    statistics, reported per split like the masked fraction: `<name>_frac[/split]` and
+    `<name>/mean[/split]` (DRPO's `reversed` = w < 0 and its weight `drpo_w`).
     `extra_indicators` (bool per token) are counted over all valid tokens as `<name>_frac`;
     `totals` (already-normalised scalars, e.g. the aggregated loss terms) are summed as-is.
     A handful of batched ops whatever the number of splits: this runs on every micro-batch.
@@ -134,8 +143,11 @@ def collect(
     mu_sel = torch.stack([everything, mu < 0.1, (mu >= 0.1) & (mu <= 0.9), mu > 0.9])
     a_idx, m_idx = zip(*_SPLIT_GRID)
     splits = (adv_sel[list(a_idx)] & mu_sel[list(m_idx)] & valid).to(_F)        # [n_splits, N]
-    indicators = torch.stack([everything, masked.reshape(-1).bool(), clipped.reshape(-1).bool()]).to(_F)
-    counts = splits @ indicators.T                                              # [n_splits, 3], exact
+    own = {f"ind:{k}": v.reshape(-1).bool() for k, v in (split_indicators or {}).items()}
+    own |= {f"val:{k}": v.detach().reshape(-1).to(_F) for k, v in (split_values or {}).items()}
+    rows = [everything, masked.reshape(-1).bool(), clipped.reshape(-1).bool()] + list(own.values())
+    indicators = torch.stack([torch.where(valid, r.to(_F), 0.0) for r in rows])
+    counts = splits @ indicators.T                        # [n_splits, 3 + own], exact for the counts
     extra = extra_indicators or {}
     if extra:
         ind = torch.stack([v.reshape(-1).bool() for v in extra.values()]) & valid
@@ -153,7 +165,9 @@ def collect(
     n_valid = counts.reshape(-1)[:1].expand(len(values) - 1)  # count/all, for all but abs_logp_diff
     tot = torch.stack([_scalar(v) for v in totals.values()]) if totals else counts.new_zeros(0)
 
-    sum_keys = (_COUNT_KEYS + tuple(f"extra/{k}/sum" for k in extra)
+    count_keys = _COUNT_KEYS if not own else tuple(
+        f"{kind}/{split}" for split in SPLITS for kind in ("count",) + INDICATORS + tuple(own))
+    sum_keys = (count_keys + tuple(f"extra/{k}/sum" for k in extra)
                 + tuple(f"{k}/sum" for k in values)
                 + tuple(f"{k}/count" for k in values if k != "abs_logp_diff")
                 + tuple(f"total/{k}" for k in (totals or {})))

@@ -214,6 +214,46 @@ def dppo_loss(
     return _finish(loss, valid, ratio=rd, weight=weight, masked=masked, clipped=clipped, divergence=D)
 
 
+DEFAULT_DELTA_DRPO = 12.5  # the DRPO paper's reported δ (ALGORITHMS.md §10; see the caveat there)
+
+
+@register("policy_loss", "drpo")
+def drpo_loss(
+    logp: Tensor, rollout_logp: Tensor, advantages: Tensor, *,
+    delta: float = DEFAULT_DELTA_DRPO,
+    old_logp: Tensor | None = None, anchor: str = "rollout", response_mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DRPO (ALGORITHMS.md §10): DPPO's Binary-TV geometry with the hard mask replaced by a smooth,
+    advantage-weighted quadratic penalty anchored on μ (or π_old with anchor="old"):
+
+        J_t = r·A − (|A| / (2δ))·μ·(r − 1)²,   loss ℓ_t = −J_t,   r = π(a_t)/μ(a_t)
+
+    (μ(r−1)² = (π−μ)²/μ: an advantage-weighted squared probability shift). No mask, no truncation.
+    Gradient: ∇ℓ_t = −A·r·w·∇log π with w = 1 − sign(A)·(π − μ)/δ — 1 at μ, 0 exactly at DPPO's
+    boundary |π − μ| = δ on the advantage's side, negative beyond it (a pull back toward μ), above 1
+    when π has moved against the advantage. The loss is written in the quadratic form (its value is
+    −J_t, its autograd gradient the formula's); the detached form −sg(A·r·w)·log π has the same
+    gradient (a float64 test checks both).
+
+    Metrics: `weight` = r·w (the coefficient of −A·∇log π), `drpo_w` = w, `reversed` = w < 0
+    (the corrective regime); nothing is masked or clipped.
+    """
+    if not delta > 0:
+        raise ValueError(f"drpo needs delta > 0 (got {delta}); the paper reports 12.5, DPPO's 0.15 is "
+                         "the scale where the corrective regime is reached")
+    valid, logp, rollout_logp, advantages, old_logp = _prepare(
+        logp, rollout_logp, advantages, old_logp, response_mask)
+    anchor_logp = select_anchor(rollout_logp, old_logp, anchor).detach()
+    r = torch.exp(log_ratio(logp, anchor_logp))
+    mu = torch.exp(anchor_logp)
+    loss = -(advantages * r - advantages.abs() / (2.0 * delta) * mu * (r - 1.0) ** 2)
+    rd = r.detach()
+    w = 1.0 - torch.sign(advantages) * mu * (rd - 1.0) / delta  # μ(r−1) = π − μ
+    no = torch.zeros_like(valid)
+    return _finish(loss, valid, ratio=rd, weight=rd * w, masked=no, clipped=no,
+                   drpo_w=w, reversed=w < 0)
+
+
 @register("policy_loss", "aspo")
 def aspo_loss(
     logp: Tensor, rollout_logp: Tensor, advantages: Tensor, *,
