@@ -265,6 +265,22 @@ def _main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"megatron-rl: error: {e}", file=sys.stderr)
             return 2
+    if argv[:1] == ["fp8-checkpoint"]:  # FP8 rollouts: the block-scaled copy CUDA servers start from
+        p = argparse.ArgumentParser(prog="megatron-rl fp8-checkpoint", description=(
+            "SRC (a HF checkpoint folder) -> DST: its attention and MLP projections in block-scaled e4m3 "
+            "(128x128 blocks, weight_scale_inv), everything else as it is; config.json gets its "
+            "quantization_config (rollout.quantization=fp8; megatron_rl/weights/fp8.py)."))
+        p.add_argument("src")
+        p.add_argument("dst")
+        a = p.parse_args(argv[1:])
+        from megatron_rl.weights.fp8 import write_fp8_checkpoint
+
+        try:
+            print(f"wrote {write_fp8_checkpoint(a.src, a.dst)}")
+            return 0
+        except (ValueError, FileNotFoundError) as e:
+            print(f"megatron-rl: error: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["compare"]:  # its own options: megatron-rl compare --help
         from megatron_rl.trainer.compare import main as compare
 
@@ -276,7 +292,7 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["demo", "train", "train-lm", "dry-run", "plot", "compare",
-                                            "export", "eval", "data"])
+                                            "export", "eval", "data", "fp8-checkpoint"])
     parser.add_argument("recipe", nargs="?", help="recipe name (recipes/NAME.yaml), or RUN_DIR for plot")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. parallel.tp=2")
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 0)) or None,

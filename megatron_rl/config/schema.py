@@ -175,6 +175,7 @@ class RolloutConfig:
     request_timeout: Optional[float] = None  # seconds per generation request, queueing included, before it is aborted and retried elsewhere; None = no total timeout while stall_timeout watches the servers (else 300 + max_new_tokens / 8, rollout/client.py request_timeout_s)
     stall_timeout: Optional[float] = 600.0  # seconds a server with this producer's requests in flight may give no sign of life (its scheduler answering /v1/loads) before it is marked down and they are retried elsewhere; a request waiting in a busy server's queue is never timed out; must exceed the longest weight push (a scheduler loading weights answers nothing); null = no watchdog
     max_inflight_per_server: int = 64  # generation requests the trainer keeps in flight on each server (the rest wait in the client)
+    quantization: str = "none"  # none | fp8: rollout servers hold the learner's weights in block-scaled e4m3 (128x128 blocks; CUDA: SGLang's FP8 serving from an FP8 copy of the checkpoint; CPU: weights rounded through e4m3 and served in full precision -- the weights' quantization error only); the learner trains in its own precision
     partial_rollouts: bool = False  # at a weight push, cut generation in flight (pause, abort) and continue it under the new weights, each token's version recorded (needs trainer.max_staleness > 0); false: the push waits for generation admitted before it
 
 

@@ -303,10 +303,15 @@ def parse_nodes(spec: str) -> list[tuple[str, str]]:
     return out
 
 
-def implied_server_args(cfg: JobConfig, args: list[str]) -> list[str]:
+def implied_server_args(cfg: JobConfig, args: list[str], device: Optional[str] = None) -> list[str]:
     """The SGLang flags the recipe needs and `args` lacks: deterministic inference for seeded sampling
-    (SGLang ignores the seeds without it), routed experts for R3 replay."""
+    (SGLang ignores the seeds without it), routed experts for R3 replay, FP8 serving for FP8 rollouts
+    on CUDA servers (`device`: theirs; default the config's; CPU servers get rounded weights instead,
+    weights/fp8.py)."""
     out = []
+    device = device or server_device(cfg)
+    if cfg.rollout.quantization == "fp8" and device == "cuda" and "--quantization" not in args:
+        out += ["--quantization", "fp8"]
     if cfg.rollout.seeded and "--enable-deterministic-inference" not in args:
         out.append("--enable-deterministic-inference")
     if cfg.algorithm.router_replay == "r3" and "--enable-return-routed-experts" not in args:
@@ -371,7 +376,7 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
         if list(r.server_urls) != planned:
             raise ValueError(f"rollout.server_urls={list(r.server_urls)} are not the servers the launcher "
                              f"starts ({planned}); do not override rollout.server_urls with ROLLOUT_NODES > 0")
-        added = implied_server_args(cfg, args)
+        added = implied_server_args(cfg, args, device)
         lines.append(f"rollout servers: disaggregated -- {len(slots)} on {len(nodes)} node(s), "
                      f"{len(slots) // len(nodes)} per node (GPUS_PER_NODE {gpus_per_node} / TP {r.server_tp}), "
                      f"dp 1 each; {sync(len(slots))}; model: {fit}")
@@ -384,6 +389,10 @@ def layout_report(cfg: JobConfig, *, gpus_per_node: Optional[int] = None,
             lines.append("rollout servers' added args: " + " ".join(added))
         if cfg.model.hf_path:
             lines.append(f"rollout servers' model: {cfg.model.hf_path}")
+        if r.quantization == "fp8" and device == "cuda":
+            # FP8 servers start from a block-scaled copy (the launcher makes it once per run folder:
+            # `megatron-rl fp8-checkpoint`); every weight push then sends e4m3 blocks and scales.
+            lines.append("rollout servers' quantization: fp8")
         return lines
     fit = check_model_fits_server(shape, r.server_tp)
     if r.server_urls:

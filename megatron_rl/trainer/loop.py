@@ -193,6 +193,10 @@ def validate(cfg: JobConfig) -> None:
         if getattr(cfg.trainer, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"trainer.{flag}=true needs the {package} package, which is not installed: "
                              f"pip install -e '.[loggers]' (tensorboard and wandb), or pip install {package}")
+    from megatron_rl.weights.fp8 import QUANTIZATIONS
+
+    if r.quantization not in QUANTIZATIONS:
+        raise ValueError(f"rollout.quantization={r.quantization!r}; valid: {', '.join(QUANTIZATIONS)}")
     if cfg.trainer.max_staleness < 0:
         raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 (0: synchronous)")
     if r.partial_rollouts and (cfg.trainer.max_staleness < 1 or cfg.trainer.mode != "train"):

@@ -44,6 +44,7 @@ from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.trainer.prompts import Prompt
 from megatron_rl.trainer.policy import TOPK_DIVERGENCES
 from megatron_rl.weights.endpoint import ServersUnreachable
+from megatron_rl.weights.fp8 import ServedWeights
 from megatron_rl.weights.push import push_weights
 
 
@@ -102,11 +103,19 @@ class Rollouts:
         where = placement.check_placement(cfg, device)
         # Collective (every rank reports its GPU) before the non-drivers leave.
         gpu_ids = self._local_server_gpus() if where == "local" and device == "cuda" else None
+        # FP8 rollouts (weights/fp8.py): CUDA servers serve block-scaled e4m3 and start from an FP8
+        # copy of the checkpoint; CPU servers get the weights rounded through the same blocks.
+        self.served = ServedWeights(r.quantization, "serve" if device == "cuda" else "round")
+        server_model = hf_path
+        if self.driver and not r.server_urls and self.served.mode == "serve" and r.quantization == "fp8":
+            from megatron_rl.weights.fp8 import write_fp8_checkpoint
+
+            server_model = write_fp8_checkpoint(hf_path, out_dir / "rollout_model_fp8")
         if self.driver and not r.server_urls:
             from megatron_rl.rollout.server import EngineManager, ServerConfig
 
             self.manager = EngineManager(
-                ServerConfig(model_path=str(hf_path), device=device, dtype=server_dtype(cfg),
+                ServerConfig(model_path=str(server_model), device=device, dtype=server_dtype(cfg),
                              tp_size=r.server_tp, max_total_tokens=r.max_total_tokens,
                              mem_fraction_static=r.mem_fraction_static,
                              enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
@@ -473,7 +482,7 @@ class Rollouts:
         start = time.perf_counter()
         for attempt in range(3):
             try:
-                stats = push_weights(learner, self.transport, weight_version=version)
+                stats = push_weights(learner, self.transport, weight_version=version, served=self.served)
                 break
             except ServersUnreachable as e:
                 # A server died after the check above and before this push sent anything (the

@@ -2,6 +2,8 @@
 
 After a training step the server still serves the old weights (its log-probs differ from the
 learner's); after a sync its log-probs of a probe prompt equal the learner's new ones (fp32).
+With FP8 rollouts (CPU: weights rounded through e4m3 blocks) they equal transformers' on the
+rounded weights instead, and differ from the learner's by exactly that rounding.
 """
 
 from __future__ import annotations
@@ -66,7 +68,29 @@ def sync_worker(rank, world_size, hf_path, url, group_port):
         out[name] = dict(learner=new, stale=stale, synced=server_logprobs(url, PROBE), stats=stats)
         if hasattr(transport, "close"):
             transport.close()
+    # FP8 rollouts on a CPU server: the push rounds every projection through e4m3 blocks; the
+    # reference is transformers on the same rounded weights.
+    from megatron_rl.weights.fp8 import ServedWeights
+
+    served = ServedWeights("fp8", "round")
+    rounded = dict(served.apply(learner.export_hf_weights()))
+    push_weights(learner, TensorWeightSync([endpoint]), weight_version="fp8", served=served)
+    out["fp8"] = dict(learner=learner.forward_logprobs(probe)[0, :-1].double(),
+                      synced=server_logprobs(url, PROBE), rounded=rounded)
     return out
+
+
+def hf_logprobs(hf_path, state, ids) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]), t >= 1, from transformers with the given weights (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logp = model(torch.tensor([ids], device=device)).logits[0, :-1].double().log_softmax(-1)
+    return logp.gather(-1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].cpu()
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +114,13 @@ def test_sync_by_process_group_and_by_tensor(server):
         assert stale_gap > 1e-2, f"{name}: the training step did not change the probe log-probs"
         assert synced_gap <= 1e-4, f"{name}: server differs from the learner after sync by {synced_gap}"
         assert r["stats"]["bytes"] > 0
+    # FP8-rounded weights: the server equals transformers on the rounded weights, and differs from
+    # the learner by the rounding's own mismatch.
+    r = out["fp8"]
+    r["hf_rounded"] = hf_logprobs(ckpt, r["rounded"], PROBE)
+    fp8_gap = (r["synced"] - r["learner"]).abs().max().item()
+    ref_gap = (r["synced"] - r["hf_rounded"]).abs().max().item()
+    predicted = (r["hf_rounded"] - r["learner"]).abs().max().item()
+    print(f"fp8: server vs learner {fp8_gap:.2e}, server vs transformers on rounded weights {ref_gap:.2e}, "
+          f"rounded vs learner (independent) {predicted:.2e}")
+    assert ref_gap <= 1e-4 and fp8_gap > 1e-3 and fp8_gap == pytest.approx(predicted, rel=0.05, abs=1e-4)

@@ -117,6 +117,12 @@ def test_dry_run_layout_of_the_launchers_servers(tmp_path):
     lines = placement.layout_report(cfg, **{**LAUNCH, "rollout_args": "--device cuda"})
     assert lines[-2:] == ["rollout servers' added args: --enable-deterministic-inference --enable-return-routed-experts",
                           f"rollout servers' model: {moe}"]
+    # FP8 rollouts: SGLang's FP8 serving, from the block-scaled copy the launcher makes.
+    lines = placement.layout_report(job(URLS, "rollout.server_tp=4", "rollout.placement=disaggregated",
+                                        "rollout.quantization=fp8", f"model.hf_path={moe}"),
+                                    **{**LAUNCH, "rollout_args": "--device cuda"})
+    assert lines[-3:] == ["rollout servers' added args: --quantization fp8 --enable-deterministic-inference",
+                          f"rollout servers' model: {moe}", "rollout servers' quantization: fp8"]
 
 
 @pytest.mark.parametrize("overrides, launch, message", [
