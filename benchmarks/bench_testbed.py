@@ -7,6 +7,8 @@
    binary-TV anchored on the recomputed π_old (the anchor ablation), 3 seeds each.
    Every method at each learning rate of `--lrs` (default 1e-4 and 2.5e-4: the stable one and one
    where the runs degrade): the same trials for every method.
+   `--only fp8`: the same recipe with FP8-rounded rollouts (`rollout.quantization=fp8`) and DRPO
+   at δ 12.5 and 0.15 beside the DPPO and baseline methods (docs/experiments.md, "FP8 rollouts").
 2. `megatron-rl compare --recipe testbed_moe_cpu` (Qwen3-MoE base, the first learning rate): DPPO
    binary-TV with rollout routing replay (R3) and without.
 3. benchmarks/testbed_report.py: the tables and figures (docs/figures/testbed_*.png);
@@ -39,19 +41,32 @@ DENSE = [
     "pg_is=pg_is",
     "dppo_tv_old_anchor=dppo_binary_tv +algorithm.loss_kwargs.anchor=old algorithm.recompute_old_logp=true",
 ]
+# FP8 rollouts (rollout.quantization=fp8: the servers' weights rounded through block-scaled e4m3, the
+# learner in float32): the issue's comparison where the mismatch is larger, with DRPO at the paper's
+# δ and at DPPO's scale.
+FP8 = [
+    "dppo_tv=dppo_binary_tv",
+    "dppo_topk_tv=dppo_topk_tv",
+    "drpo_d12.5=drpo",
+    "drpo_d0.15=drpo algorithm.loss_kwargs.delta=0.15",
+    "grpo_clip_higher=grpo_clip_higher",
+    "cispo=cispo",
+    "pg_is=pg_is",
+    "dppo_tv_old_anchor=dppo_binary_tv +algorithm.loss_kwargs.anchor=old algorithm.recompute_old_logp=true",
+]
 MOE = [
     "dppo_tv_r3=dppo_binary_tv algorithm.router_replay=r3",
     "dppo_tv_no_r3=dppo_binary_tv algorithm.router_replay=none",
 ]
 
 
-def compare(recipe: str, methods: list[str], out: Path, args, lr: str) -> None:
+def compare(recipe: str, methods: list[str], out: Path, args, lr: str, extra: tuple = ()) -> None:
     cmd = [sys.executable, "-m", "megatron_rl.cli", "compare", "--recipe", recipe, "--out", str(out),
            "--seeds", str(args.seeds), "--first-seed", str(args.first_seed), "--steps", str(args.steps),
            "--parallel", str(args.parallel), "--target", str(args.target), "--algorithms", ""]
     for m in methods:
         cmd += ["--method", m]
-    cmd += [f"optim.lr={lr}", f"trainer.token_log_every={args.token_log_every}", *args.overrides]
+    cmd += [f"optim.lr={lr}", f"trainer.token_log_every={args.token_log_every}", *extra, *args.overrides]
     print("+ " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
@@ -65,7 +80,8 @@ def main(argv=None) -> int:
     p.add_argument("--parallel", type=int, default=2)
     p.add_argument("--token-log-every", type=int, default=5)
     p.add_argument("--lrs", default="1e-4,2.5e-4", help="learning rates every dense method runs at")
-    p.add_argument("--only", choices=["dense", "moe"], default=None)
+    p.add_argument("--only", choices=["dense", "moe", "fp8"], default=None,
+                   help="one comparison; fp8 (the FP8-rollout comparison) runs only when named")
     p.add_argument("--report-only", action="store_true", help="the report of the comparisons already run")
     p.add_argument("--figures", default="docs/figures")
     p.add_argument("--target", type=float, default=0.5, help="the accuracy of 'steps to target'")
@@ -79,6 +95,9 @@ def main(argv=None) -> int:
         if args.only in (None, "dense"):
             compare("testbed_cpu", DENSE, out / f"dense_lr{lr}", args, lr)
             done.append(out / f"dense_lr{lr}")
+        if args.only == "fp8":
+            compare("testbed_cpu", FP8, out / f"fp8_lr{lr}", args, lr, ["rollout.quantization=fp8"])
+            done.append(out / f"fp8_lr{lr}")
         if args.only in (None, "moe") and i == 0:
             compare("testbed_moe_cpu", MOE, out / f"moe_lr{lr}", args, lr)
             done.append(out / f"moe_lr{lr}")

@@ -1,6 +1,7 @@
 """The testbed pipeline end to end, small (CI smoke, ~2-3 min): the supervised base stage (built,
 then reused from its cache), `megatron-rl compare --recipe testbed_cpu` with two methods at once (`--parallel 2`:
-a bfloat16 SGLang server each), the token log, and the report (benchmarks/testbed_report.py)."""
+a bfloat16 SGLang server each) -- DPPO binary-TV, and DRPO at δ 0.15 with FP8-rounded rollouts
+(rollout.quantization=fp8) --, the token log, and the report (benchmarks/testbed_report.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_testbed_compare_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "compare", "--recipe", "testbed_cpu", "--algorithms", "",
-         "--method", "dppo_tv=dppo_binary_tv", "--method", "grpo_clip_higher=grpo_clip_higher",
+         "--method", "dppo_tv=dppo_binary_tv",
+         "--method", "drpo_fp8=drpo algorithm.loss_kwargs.delta=0.15 rollout.quantization=fp8",
          "--seeds", "1", "--first-seed", "2", "--steps", "2", "--parallel", "2", "--out", str(out), *overrides],
         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -48,21 +50,27 @@ def test_testbed_compare_smoke(tmp_path):
     # the two runs ran at the same time, each against its own server (weights are per server)
     assert len(list((out / "server_logs").glob("server*.log"))) == 2
     urls = {yaml.safe_load((out / m / "seed2" / "config.yaml").read_text())["rollout"]["server_urls"][0]
-            for m in ("dppo_tv", "grpo_clip_higher")}
+            for m in ("dppo_tv", "drpo_fp8")}
     assert len(urls) == 2, urls
     summary = json.loads((out / "summary.json").read_text())
-    assert list(summary["methods"]) == ["dppo_tv", "grpo_clip_higher"] and summary["seeds"] == [2]
+    assert list(summary["methods"]) == ["dppo_tv", "drpo_fp8"] and summary["seeds"] == [2]
     assert "algorithm.advantage=dr_grpo" in summary["shared_overrides"]
+    mismatch = {}
     for label, m in summary["methods"].items():
         assert m["hyperparameter_trials"] == 1 and len(m["per_seed"]) == 1
         run_dir = out / label / "seed2"
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-        # everything but the policy loss is shared: GRPO runs with Dr.GRPO advantages here
+        # everything but the policy loss (and here the FP8 rollouts) is shared; Dr.GRPO advantages
         assert cfg["model"]["hf_path"] == str(base / "hf") and cfg["algorithm"]["advantage"] == "dr_grpo"
         assert cfg["rollout"]["dtype"] == "bfloat16" and cfg["algorithm"]["mini_batches"] == 8
-        assert cfg["algorithm"]["policy_loss"] == ("dppo" if label == "dppo_tv" else "ppo")
+        assert cfg["algorithm"]["policy_loss"] == ("dppo" if label == "dppo_tv" else "drpo")
+        assert cfg["rollout"]["quantization"] == ("none" if label == "dppo_tv" else "fp8")
+        assert cfg["algorithm"]["agg_mode"] == "token-mean"  # the testbed's, not drpo.yaml's
         rows = [r for r in read_metrics(run_dir) if r["step"] >= 0]
         assert [r["step"] for r in rows] == [0, 1]
+        mismatch[label] = rows[0]["mismatch/train_vs_rollout_abs_logp"]
+        if label == "drpo_fp8":  # DRPO's own statistics, per split like the masked fraction
+            assert any(k.endswith("reversed_frac") for k in rows[0]) and any(k.endswith("drpo_w/mean") for k in rows[0])
         # bfloat16 engine vs float32 learner: a real mismatch (a float32 server gives ~1e-6)
         assert all(r["mismatch/train_vs_rollout_abs_logp"] > 5e-4 for r in rows), rows
         # the token log: 8 mini-batches, per-token log μ equal to the rollout's, log π near it
@@ -74,12 +82,16 @@ def test_testbed_compare_smoke(tmp_path):
         gap = (first["logp"] - first["rollout_logp"]).abs().mean().item()
         assert 1e-4 < gap < 0.5, gap  # the first mini-batch: no update yet, only the bf16 mismatch
 
+    # Step 0, first mini-batch (the same base weights and prompts): FP8-rounded servers add the
+    # weights' quantization error to the bfloat16 engine's (measured 0.0065 vs 0.0048 nats here).
+    assert mismatch["drpo_fp8"] > 1.15 * mismatch["dppo_tv"], mismatch
+
     report = tmp_path / "report.md"
     proc = subprocess.run([sys.executable, "benchmarks/testbed_report.py", str(out), "--figures",
                            str(tmp_path / "figures"), "--out", str(report)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     text = report.read_text()
-    assert "### Results" in text and "| dppo_tv |" in text and "| grpo_clip_higher |" in text
+    assert "### Results" in text and "| dppo_tv |" in text and "| drpo_fp8 |" in text
     assert "μ < 0.1" in text or "μ > 0.9" in text  # the token table has rows
     assert (tmp_path / "figures" / "testbed_compare_accuracy.png").stat().st_size > 10_000
