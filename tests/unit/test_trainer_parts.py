@@ -294,6 +294,8 @@ def test_paper_recipes_keep_the_papers_settings():
         if a.policy_loss == "dppo":
             assert a.loss_kwargs["delta"] == (0.2 if a.divergence.endswith("tv") else 0.05), recipe
             assert a.loss_kwargs["truncation"] == 5.0, recipe
+        if a.policy_loss == "drpo":  # DRPO's reported δ, with the FP8 rollouts its claims are about
+            assert a.loss_kwargs["delta"] == 12.5 and job.rollout.quantization == "fp8", recipe
         assert (a.router_replay == "r3") == recipe.endswith("_r3"), recipe
 
 
