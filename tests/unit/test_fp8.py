@@ -170,3 +170,16 @@ def test_config_and_the_flags_fp8_implies():
     assert "--quantization" not in placement.implied_server_args(cfg, [], "cpu")  # CPU: rounded weights
     assert placement.implied_server_args(cfg, [], "cuda")[:2] == ["--quantization", "fp8"]
     assert "--quantization" not in placement.implied_server_args(cfg, ["--quantization", "fp8"], "cuda")
+
+
+def test_a_gpu_recipes_own_servers_get_fp8_serving():
+    """The one-GPU recipe starts its own server (rank 0, GPU 1): with FP8 rollouts on CUDA it is
+    started with SGLang's FP8 serving; on CPU servers the pushes round instead and no flag is added."""
+    from megatron_rl.config.load import load_config, to_object
+    from megatron_rl.trainer.rollouts import server_extra_args
+
+    recipe = "dppo_binary_tv_qwen3_1p7b_base_gsm8k"
+    cuda = to_object(load_config(recipe, ["rollout.quantization=fp8", "rollout.device=cuda"]))
+    assert server_extra_args(cuda)[:2] == ("--quantization", "fp8")
+    cpu = to_object(load_config(recipe, ["rollout.quantization=fp8", "rollout.device=cpu"]))
+    assert "--quantization" not in server_extra_args(cpu)
