@@ -130,6 +130,16 @@ def _device_kwarg_to_cpu(fn):
 
 
 def _wrap_factories() -> None:
+    # `with torch.device(d):` (transformers builds models under the meta device) gives `device=d` to
+    # the calls whose function is in torch's cached set of factories, built on its first use from
+    # the attributes of `torch`. Built after the wrapping, the set would hold the wrappers, the
+    # real factories called inside them would not be recognised, and a buffer meant for the meta
+    # device would be made on the host and then skipped by the model's initialisation (transformers'
+    # rotary inv_freq came out as uninitialised memory, every HF model in a learner process
+    # computed wrong logits). Build it from the real factories first.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in _FACTORIES:
         setattr(torch, name, _device_kwarg_to_cpu(getattr(torch, name)))
     for name in _TENSOR_FACTORIES:

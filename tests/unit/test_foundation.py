@@ -81,6 +81,10 @@ def test_patches_apply_to_installed_versions():
         assert torch.zeros(1).cuda().device.type == "cpu"
         assert torch.zeros(1).to("cuda").device.type == "cpu"
         assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        # `with torch.device(...)` still places the wrapped factories (transformers builds its
+        # models under the meta device; its rotary buffers were uninitialised memory otherwise).
+        with torch.device("meta"):
+            assert torch.tensor([1.0]).is_meta and torch.arange(3).is_meta and torch.empty(2).is_meta
         class F(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x): return x * 2
