@@ -4,7 +4,8 @@ Every function takes the local logit shard [..., V/TP] and the tensor-parallel p
 explicitly (None = one process, full vocabulary); the shard's first global id is
 rank * V_local (Megatron's contiguous sharding of the padded vocabulary). Nothing here ever
 materialises a full-vocabulary tensor. Formulas: ALGORITHMS.md §1 and the module docstrings of
-`logprobs`, `divergences`, `topk` and `fused`.
+`logprobs`, `divergences`, `topk`, `fused` and `triton_kernels` (the fused Triton kernels
+behind `vocab_parallel_policy_stats(kernel="triton")`; triton is imported only when used).
 """
 
 from .divergences import (
@@ -19,7 +20,7 @@ from .divergences import (
     vocab_parallel_full_divergence,
     vocab_parallel_topk_divergence,
 )
-from .fused import DIVERGENCES, PolicyStats, vocab_parallel_policy_stats
+from .fused import DIVERGENCES, KERNELS, PolicyStats, vocab_parallel_policy_stats
 from .logprobs import (
     DEFAULT_CHUNK_SIZE,
     temperature_scale,
@@ -34,6 +35,7 @@ __all__ = [
     "BINARY_EPS",
     "DEFAULT_CHUNK_SIZE",
     "DIVERGENCES",
+    "KERNELS",
     "PolicyStats",
     "REST_CLAMP",
     "ShardInfo",

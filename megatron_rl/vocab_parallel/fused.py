@@ -10,6 +10,10 @@ anyway (the sampled token is column 0 of the gathered ids), which is why they co
 log-prob pass costs: the gathered logits ride in the max all-reduce and the partial sums in the
 sum all-reduce that every token chunk needs anyway.
 Divergences gate updates, so they are computed without autograd unless divergence_grad=True.
+kernel="torch" (the default, the CPU path and the reference) runs `logprobs.py`; kernel="triton"
+runs the fused kernels of `triton_kernels.py` (one read of the shard forward, one read + one
+gradient write backward, no [chunk, V_l] buffer) with the same cross-shard reductions; triton is
+imported only then.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import torch
 from .divergences import binary_kl, binary_tv, topk_divergences, topk_support
 from .logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
 
-__all__ = ["DIVERGENCES", "PolicyStats", "vocab_parallel_policy_stats"]
+__all__ = ["DIVERGENCES", "KERNELS", "PolicyStats", "vocab_parallel_policy_stats"]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+KERNELS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,7 @@ def vocab_parallel_policy_stats(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     inplace_logits: bool = False,
     topk_distinct: bool = False,
+    kernel: str = "torch",
 ) -> PolicyStats:
     """log pi(a_t), entropy and mu-vs-pi divergences from one pass over the local logit shard.
 
@@ -77,7 +83,12 @@ def vocab_parallel_policy_stats(
     speed trick; see `vocab_parallel_log_probs_and_entropy`); not with entropy_grad.
     topk_distinct: the non-negative ids of each top-K row are known to be distinct (see
     `topk_support`): duplicates are then looked for only between a_t and the list, without a sort.
+    kernel: "torch" or "triton" (module docstring). With "triton", chunk_size is unused and
+    inplace_logits works for any float dtype and with entropy_grad (the backward writes the
+    gradient over the logits, which stay intact until then).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; valid: {', '.join(KERNELS)}")
     unknown = [d for d in divergences if d not in DIVERGENCES]
     if unknown:
         raise ValueError(f"unknown divergences {unknown}; valid: {', '.join(DIVERGENCES)}")
@@ -90,13 +101,22 @@ def vocab_parallel_policy_stats(
         ids, keep = topk_support(target_ids, topk_ids, distinct_topk=topk_distinct)  # col 0: a_t
     else:
         ids, keep = target_ids[..., None].long(), None
-    logp_S, ent = vocab_parallel_log_probs_and_entropy(
-        logits, ids, group, temperature=temperature, vocab_size=vocab_size,
-        chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
-        inplace_logits=inplace_logits,
-        # Without divergence_grad only log pi(a_t) (column 0) is differentiated.
-        grad_columns=None if divergence_grad else 1,
-    )
+    # Without divergence_grad only log pi(a_t) (column 0) is differentiated.
+    grad_columns = None if divergence_grad else 1
+    if kernel == "triton":
+        from .triton_kernels import triton_log_probs_and_entropy  # imports triton on first use
+
+        logp_S, ent = triton_log_probs_and_entropy(
+            logits, ids, group, temperature=temperature, vocab_size=vocab_size,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, inplace_logits=inplace_logits,
+            grad_columns=grad_columns,
+        )
+    else:
+        logp_S, ent = vocab_parallel_log_probs_and_entropy(
+            logits, ids, group, temperature=temperature, vocab_size=vocab_size,
+            chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            inplace_logits=inplace_logits, grad_columns=grad_columns,
+        )
     out: dict[str, torch.Tensor] = {}
     if divergences:
         pi_S = logp_S if divergence_grad else logp_S.detach()
