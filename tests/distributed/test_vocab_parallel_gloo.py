@@ -2,11 +2,17 @@
 layout made by dist.new_group, as Megatron builds them), against float64 full-vocabulary math.
 
 One spawn of 4 processes runs every check and returns the per-rank results; the parent asserts.
+The fused Triton kernels (`kernel="triton"`) run here too, under Triton's interpreter: each rank puts
+the folder the Makefile installs triton into on its own sys.path (never the parent's; see
+requirements/sglang-cpu-extras.txt) with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ import megatron_rl.vocab_parallel as vp
 from megatron_rl.distributed.spawn import run_distributed
 
 T, V_PAD, VOCAB, K, TAU = 37, 96, 90, 5, 0.8
+TRITON_DIR = Path(sys.prefix) / "sglang-cpu-extras"
 
 
 def inputs(dtype=torch.float64):
@@ -54,8 +61,17 @@ def _checks(group, tp_rank, tp):
         topk_logp=topk_lp.float(), divergences=vp.DIVERGENCES, with_entropy=True,
         temperature=TAU, vocab_size=VOCAB,
     )
+    tri_shard = pi_x[:, cols].clone().requires_grad_()
+    tri = vp.vocab_parallel_policy_stats(
+        tri_shard, sampled, group, rollout_logp=mu_t, topk_ids=topk_ids, topk_logp=topk_lp,
+        divergences=vp.DIVERGENCES, with_entropy=True, entropy_grad=True, temperature=TAU,
+        vocab_size=VOCAB, kernel="triton",
+    )
+    ((tri.logp + 0.1 * tri.entropy) * g_out).sum().backward()
     return {
         "stats": {k: getattr(stats, k).detach() for k in ("logp", "entropy", *vp.DIVERGENCES)},
+        "triton": {k: getattr(tri, k).detach() for k in ("logp", "entropy", *vp.DIVERGENCES)},
+        "triton_grad": tri_shard.grad,
         "f32": {k: getattr(f32, k) for k in ("logp", "entropy", *vp.DIVERGENCES)},
         "grad": shard.grad,
         "full": full,
@@ -66,6 +82,8 @@ def _checks(group, tp_rank, tp):
 
 def all_checks(rank, world_size):
     torch.set_num_threads(1)
+    os.environ["TRITON_INTERPRET"] = "1"  # this rank only; set before triton is first imported
+    sys.path.insert(0, str(TRITON_DIR))
     out = {"tp4": _checks(dist.group.WORLD, rank, world_size)}
     # Megatron-style TP=2 groups: ranks {0, 1} and {2, 3}; every rank creates every group.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -128,7 +146,10 @@ def test_gloo_matches_float64_reference(results, layout):
         for name, value in ref.items():
             _close(r["stats"][name], value, 1e-10, f"{layout} rank {rank} {name}")
             _close(r["f32"][name], value, 1e-5, f"{layout} rank {rank} fp32 {name}")
+            _close(r["triton"][name], value, 1e-10, f"{layout} rank {rank} triton {name}")
         _close(r["grad"], grad[:, tp_rank * width:(tp_rank + 1) * width], 1e-10, "grad")
+        _close(r["triton_grad"], grad[:, tp_rank * width:(tp_rank + 1) * width], 1e-10,
+               "triton grad")
         _close(r["full"][0], full[0], 1e-10, "full tv")
         _close(r["full"][1], full[1], 1e-10, "full kl")
         _close(r["topk"][0], top_lp, 1e-10, "top-k log-probs")
