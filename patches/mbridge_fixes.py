@@ -8,8 +8,10 @@
 - transformers 5 moved `rope_theta` into `rope_parameters`; mbridge reads `hf_config.rope_theta`.
 - The layer spec is chosen, not guessed: mbridge hard-codes the TE spec; a bridge whose
   `layer_spec` attribute is "local" (set from `model.spec` by megatron_rl.models.bridge) gets
-  megatron-core's local (torch) spec instead, and any other bridge keeps upstream's TE spec. TE
-  failing to import is never a reason to switch specs. The local spec names parameters differently (`input_layernorm`, `pre_mlp_layernorm`,
+  megatron-core's local (torch) spec instead, "torch" the local spec with torch's fused attention
+  and grouped experts (megatron_rl.models.torch_spec; its parameters are the local spec's, names
+  included), and any other bridge keeps upstream's TE spec. TE failing to import is never a
+  reason to switch specs. The local spec names parameters differently (`input_layernorm`, `pre_mlp_layernorm`,
   `experts.local_experts.E.linear_fc*`), so local names are translated to the TE-spec names
   mbridge's mapping tables know, in the one function that maps local names to global names.
 - `load_weights` decides expert-vs-dense from the *local* name and so scatters local-spec expert
@@ -86,9 +88,14 @@ def apply(version: str | None = None) -> None:
     orig_spec = LLMBridge._get_transformer_layer_spec
 
     def get_transformer_layer_spec(self, vp_stage=None):
-        if getattr(self, "layer_spec", "te") != "local":
+        spec = getattr(self, "layer_spec", "te")
+        if spec not in ("local", "torch"):
             return orig_spec(self, vp_stage)
         self.has_vp_stage = True
+        if spec == "torch":
+            from megatron_rl.models.torch_spec import get_torch_decoder_block_spec
+
+            return get_torch_decoder_block_spec(self.config, vp_stage=vp_stage)
         return get_gpt_decoder_block_spec(self.config, use_transformer_engine=False,
                                           vp_stage=vp_stage)
 

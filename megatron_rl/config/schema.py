@@ -56,7 +56,7 @@ class ModelConfig:
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)  # used when hf_path is None
     base: BaseModelConfig = field(default_factory=BaseModelConfig)  # supervised base stage of `tiny` (when hf_path is None)
     dtype: str = "auto"  # auto (bfloat16 on GPU, float32 on CPU) | float32 | bfloat16
-    spec: str = "auto"  # layer spec: auto (te on GPU, local on CPU) | te (Transformer Engine; an error without it) | local (torch modules, no fused kernels)
+    spec: str = "auto"  # layer spec: auto (te on CUDA with Transformer Engine, torch on CUDA without, local on CPU) | te (Transformer Engine; an error without it) | torch (local modules + torch SDPA attention and grouped expert GEMMs) | local (torch modules, no fused kernels)
     recompute: str = "none"  # activation recompute: none | full (every layer, uniform)
     make_vocab_size_divisible_by: int = 128  # Megatron pads the vocab to a multiple of this·TP
     seed: int = 1234  # parameter-init and dropout seed (Megatron's model-parallel RNG)

@@ -2,9 +2,12 @@
 
 The Megatron TransformerConfig comes from mbridge's mapping of the HF config plus the overrides
 in `megatron_overrides` (the one adapter from our config to Megatron's). The layer spec is
-`model.spec` (`resolve_spec`): Transformer Engine's (`te`, the GPU default) or megatron-core's
-torch modules (`local`, the CPU default, usable on GPUs without TE) with every fused kernel off.
-Asking for `te` where Transformer Engine cannot run is an error, never a quiet switch to `local`.
+`model.spec` (`resolve_spec`): Transformer Engine's (`te`, the default on CUDA when TE imports),
+megatron-core's local torch modules with torch's fused attention and grouped expert GEMMs
+(`torch`, models/torch_spec.py; the default on CUDA without TE), or megatron-core's local torch
+modules as they are (`local`, the CPU default: unfused attention, one expert at a time). `torch`
+and `local` run with every TE/apex fusion off. Asking for `te` where Transformer Engine cannot run
+is an error, never a quiet switch to another spec.
 `export_hf_weights` is a collective: every rank of the model-parallel group must iterate it.
 """
 
@@ -54,27 +57,38 @@ def resolve_hf_path(model_cfg: ModelConfig, run_dir: str | Path) -> Path:
     return path
 
 
-SPECS = ("auto", "te", "local")
+SPECS = ("auto", "te", "torch", "local")
+
+
+def _te_import_error() -> Exception | None:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as e:  # ImportError, or TE's own errors about a CUDA/cuDNN mismatch
+        return e
+    return None
 
 
 def resolve_spec(name: str) -> str:
-    """`model.spec` -> "te" or "local" on this machine (auto: te with CUDA, local without)."""
+    """`model.spec` -> "te", "torch" or "local" on this machine. auto: te on CUDA with Transformer
+    Engine importable, torch on CUDA without it, local without CUDA."""
     if name not in SPECS:
         raise ValueError(f"model.spec={name!r}; valid: {', '.join(SPECS)}")
     cuda = torch.cuda.is_available()
-    spec = ("te" if cuda else "local") if name == "auto" else name
-    if spec == "te":
+    if name == "auto":
+        if not cuda:
+            return "local"
+        return "te" if _te_import_error() is None else "torch"
+    if name == "te":
         if not cuda:
             raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, which needs "
                              "CUDA; this machine has none (model.spec=local runs on CPU)")
-        try:
-            import transformer_engine.pytorch  # noqa: F401
-        except Exception as e:  # ImportError, or TE's own errors about a CUDA/cuDNN mismatch
+        if (e := _te_import_error()) is not None:
             raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, but "
                              f"transformer_engine.pytorch cannot be imported ({type(e).__name__}: {e}); "
                              "install transformer-engine[pytorch] (the `gpu` extra) or set "
+                             "model.spec=torch (torch's fused attention and grouped expert GEMMs) or "
                              "model.spec=local (megatron-core's torch modules, no fused kernels)") from None
-    return spec
+    return name
 
 
 def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:
@@ -96,8 +110,9 @@ def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:
         over.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif model_cfg.recompute != "none":
         raise ValueError(f"model.recompute={model_cfg.recompute!r}; valid: none, full")
-    if resolve_spec(model_cfg.spec) == "local":
-        # The local (torch) modules implement none of the fused paths (they need TE or apex).
+    if resolve_spec(model_cfg.spec) in ("local", "torch"):
+        # The local (torch) modules implement none of the fused paths (they need TE or apex);
+        # the torch spec is the local one with two submodules swapped (models/torch_spec.py).
         over.update(persist_layer_norm=False, moe_grouped_gemm=False, bias_activation_fusion=False,
                     bias_dropout_fusion=False, masked_softmax_fusion=False,
                     gradient_accumulation_fusion=False, apply_rope_fusion=False,

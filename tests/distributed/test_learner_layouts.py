@@ -3,7 +3,9 @@
 Independent reference: the HF transformers model on the same batch (fp32) for logits, loss and
 grad norm, and a plain torch Adam step after `clip_grad_norm_` for the updated weights. Layouts:
 TP2 (sequence parallel), PP2, PP2xVPP2, DP2 (also with the distributed optimizer) for dense Qwen3;
-EP2 and TP2xEP2 (sequence parallel) for Qwen3-MoE; plus activation recompute. The layouts of one
+EP2 and TP2xEP2 (sequence parallel) for Qwen3-MoE; plus activation recompute. `model.spec=torch`
+(SDPA attention, grouped experts) at TP2 (SP), PP2 and PP2xVPP2 dense and TP2xEP2 (SP) MoE, against HF
+and against the local spec's run of the same layout (logits, grad norm, updated weights). The layouts of one
 world size run one after the other in one spawned process group (Megatron's parallel state rebuilt
 for each, as a fresh process would build it): four process groups for the module, not fourteen.
 """
@@ -34,7 +36,8 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, labels=labels, loss_mask=loss_mask)
 
 
-def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_opt=False, save_to=None):
+def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_opt=False, save_to=None,
+                  spec="local"):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -44,6 +47,7 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_op
     cfg = JobConfig()
     cfg.model.hf_path = hf_path
     cfg.model.recompute = recompute
+    cfg.model.spec = spec
     cfg.parallel = ParallelConfig(**parallel)
     cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.clip_grad = LR, ADAM_EPS, CLIP
     cfg.optim.use_distributed_optimizer = dist_opt
@@ -77,7 +81,8 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_op
     if rank != 0 and not (ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0):
         return None
     return dict(logits=logits, metrics=metrics, before=exported_before, after=exported_after,
-                layout=ctx.describe())
+                layout=ctx.describe(),
+                modules={type(m).__name__ for c in learner.model for m in c.modules()})
 
 
 def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
@@ -138,6 +143,9 @@ DENSE_LAYOUTS = {"tp1": (1, {}), "tp2_sp": (2, {"tp": 2}), "pp2": (2, {"pp": 2})
                  "dp2": (2, {})}
 MOE_LAYOUTS = {"moe_tp1": (1, {}), "moe_tp2_sp": (2, {"tp": 2}), "moe_pp2": (2, {"pp": 2}), "ep2": (2, {"ep": 2}),
                "tp2_ep2_sp": (2, {"tp": 2, "ep": 2})}
+# model.spec=torch runs: {name: the local-spec run of the same layout}, added to the spawned groups.
+DENSE_TORCH = {"torch_tp2_sp": "tp2_sp", "torch_pp2": "pp2", "torch_pp2_vpp2": "pp2_vpp2"}
+MOE_TORCH = {"torch_tp2_ep2_sp": "tp2_ep2_sp"}
 
 
 def _check_against_hf(out, ref, label):
@@ -164,6 +172,8 @@ def dense(tmp_path_factory):
     runs = {name: (w, dict(parallel=p)) for name, (w, p) in DENSE_LAYOUTS.items()}
     runs["dp2_dist_opt"] = (2, dict(parallel={}, dist_opt=True))
     runs["pp2_recompute"] = (2, dict(parallel={"pp": 2}, recompute="full"))
+    for name, local in DENSE_TORCH.items():
+        runs[name] = (2, dict(parallel=DENSE_LAYOUTS[local][1], spec="torch"))
     return path, hf_reference(path, tmp_path_factory.mktemp("dense_after")), _run_layouts(path, runs)
 
 
@@ -175,6 +185,8 @@ def moe(tmp_path_factory):
     saved = tmp_path_factory.mktemp("moe_saved") / "exported"
     runs = {name: (w, dict(parallel=p)) for name, (w, p) in MOE_LAYOUTS.items()}
     runs["tp2_ep2_sp"][1]["save_to"] = str(saved)  # saved before its training step
+    for name, local in MOE_TORCH.items():
+        runs[name] = (2, dict(parallel=MOE_LAYOUTS[local][1], spec="torch"))
     return path, hf_reference(path, tmp_path_factory.mktemp("moe_after")), _run_layouts(path, runs), saved
 
 
@@ -196,6 +208,37 @@ def test_distributed_optimizer_matches_hf(dense):
 def test_moe_layouts_match_hf(moe, name):
     _, ref, out, _ = moe
     _check_against_hf(out[name], ref, f"{name} {MOE_LAYOUTS[name][1]}")
+
+
+def _check_against_local(out, local, label):
+    """The torch spec's run against the local spec's run of the same layout: fp32 tolerance."""
+    assert "SDPAttention" in out["modules"] and "DotProductAttention" not in out["modules"], label
+    assert "DotProductAttention" in local["modules"], label
+    assert ("GroupedExperts" in out["modules"]) == ("SequentialMLP" in local["modules"]), label
+    diff = (out["logits"] - local["logits"]).abs().max().item()
+    assert diff <= 1e-5, f"{label}: logits differ from the local spec's by {diff}"
+    assert out["metrics"]["loss"] == pytest.approx(local["metrics"]["loss"], rel=1e-6), label
+    assert out["metrics"]["grad_norm"] == pytest.approx(local["metrics"]["grad_norm"], rel=1e-5), label
+    # Adam's first step moves each weight by lr·g/(|g| + ε), ε large: a gradient difference δ
+    # moves it by up to δ, so equal updates check the gradients weight by weight.
+    worst = max((out["after"][k] - local["after"][k]).abs().max().item() for k in local["after"])
+    assert worst <= 1e-6, f"{label}: weights after one step differ from the local spec's by {worst}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DENSE_TORCH))
+def test_torch_spec_dense_matches_local_spec_and_hf(dense, name):
+    _, ref, out = dense
+    _check_against_hf(out[name], ref, name)
+    _check_against_local(out[name], out[DENSE_TORCH[name]], name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MOE_TORCH))
+def test_torch_spec_moe_matches_local_spec_and_hf(moe, name):
+    _, ref, out, _ = moe
+    _check_against_hf(out[name], ref, name)
+    _check_against_local(out[name], out[MOE_TORCH[name]], name)
 
 
 @pytest.mark.slow

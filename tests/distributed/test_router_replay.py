@@ -6,7 +6,9 @@ the log-probs of HF-B forced to A's routing (the independent reference: HF's own
 the router probabilities re-gathered from B's scores at the forced ids); without replay the
 learner follows B's natural routing. R2: recording gives B's natural routing. One training step
 under replay matches HF-B forced + a clipped Adam step, router included (it keeps its gradient).
-The layouts of one world size run one after the other in one spawned process group (Megatron's
+`torch_ep2` runs `model.spec=torch` (SDPA attention, grouped experts through `torch._grouped_mm`,
+which torch also runs on CPU, in place of the CPU default loop) at EP2: the same checks against HF,
+and against the local spec's EP2 run. The layouts of one world size run one after the other in one spawned process group (Megatron's
 parallel state rebuilt for each).
 """
 
@@ -85,7 +87,7 @@ def token_logp(logits, labels):
     return torch.log_softmax(logits.double(), -1).gather(-1, labels[..., None])[..., 0]
 
 
-def replay_worker(rank, world_size, path_b, routes_a, parallel, recompute):
+def replay_worker(rank, world_size, path_b, routes_a, parallel, recompute, spec="local"):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -95,6 +97,7 @@ def replay_worker(rank, world_size, path_b, routes_a, parallel, recompute):
     cfg = JobConfig()
     cfg.model.hf_path = path_b
     cfg.model.recompute = recompute
+    cfg.model.spec = spec
     cfg.parallel = ParallelConfig(**parallel)
     cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.clip_grad = LR, ADAM_EPS, 0.0
     cfg.learner.micro_batch_size = 2
@@ -124,7 +127,8 @@ def replay_worker(rank, world_size, path_b, routes_a, parallel, recompute):
     if rank != 0:
         return None
     return dict(natural=natural, recorded=recorded, recorded_logp=recorded_logp, replayed=replayed,
-                metrics=metrics, after=after, consumption_error=consumption_error)
+                metrics=metrics, after=after, consumption_error=consumption_error,
+                modules={type(m).__name__ for c in learner.model for m in c.modules()})
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +172,24 @@ LAYOUTS = {
     "ep2": (2, {"ep": 2}, "none"),
     "tp2_sp": (2, {"tp": 2}, "none"),  # sequence parallel
     "pp2_recompute": (2, {"pp": 2}, "full"),  # activation recompute replays again in backward
+    "torch_ep2": (2, {"ep": 2}, "none"),  # model.spec=torch
 }
 
 
 def replays_worker(rank, world_size, path_b, routes_a, layouts):
     """replay_worker for every layout of `layouts` ({name: (parallel, recompute)}) in turn."""
-    return {name: replay_worker(rank, world_size, path_b, routes_a, parallel, recompute)
-            for name, (parallel, recompute) in layouts.items()}
+    from megatron_rl.models import torch_spec
+
+    out, on_device = {}, torch_spec.grouped_mm_supported
+    for name, (parallel, recompute) in layouts.items():
+        spec = "torch" if name.startswith("torch_") else "local"
+        # The grouped GEMM, not the per-expert loop the CPU would choose (see the docstring).
+        torch_spec.grouped_mm_supported = (lambda *tensors: True) if spec == "torch" else on_device
+        try:
+            out[name] = replay_worker(rank, world_size, path_b, routes_a, parallel, recompute, spec)
+        finally:
+            torch_spec.grouped_mm_supported = on_device
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +231,20 @@ def test_replay_reproduces_forced_routing(models, replays, name):
         if name.endswith("mlp.gate.weight"):  # the router was updated: it received a gradient
             assert (out["after"][name] - before).abs().max().item() > 1e-5, name
     assert "MoE layer" in (out["consumption_error"] or ""), out["consumption_error"]
+
+
+@pytest.mark.slow
+def test_torch_spec_replays_like_the_local_spec(models, replays):
+    """model.spec=torch at EP2 under R3 replay and R2 recording equals the local spec's EP2 run
+    (fp32 tolerance; HF is checked by test_replay_reproduces_forced_routing[torch_ep2])."""
+    ours, local, mask = replays["torch_ep2"], replays["ep2"], models["mask"]
+    assert {"SDPAttention", "GroupedExperts"} <= ours["modules"], ours["modules"]
+    assert not {"SDPAttention", "GroupedExperts"} & local["modules"], local["modules"]
+    for key in ("natural", "recorded_logp", "replayed"):
+        gap = (ours[key].double() - local[key].double())[mask].abs().max().item()
+        assert gap <= 1e-6, (key, gap)
+    valid = models["valid"]
+    assert torch.equal(ours["recorded"][valid].sort(-1).values, local["recorded"][valid].sort(-1).values)
+    assert ours["metrics"]["loss"] == pytest.approx(local["metrics"]["loss"], rel=1e-6)
+    worst = max((ours["after"][k] - local["after"][k]).abs().max().item() for k in local["after"])
+    assert worst <= 1e-6, worst

@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_rl.config.load import ConfigError, available_recipes, load_config, to_object
 from megatron_rl.config.schema import ParallelConfig
@@ -55,17 +56,27 @@ def test_pins_agree_with_pyproject_and_lock():
     assert {name: lock[name] for name in PINS} == PINS
 
 
-def test_layer_spec_is_chosen_never_guessed():
-    """model.spec: auto is local on CPU; te without CUDA/Transformer Engine is an error naming the
-    way out, never a quiet switch to the local spec."""
+def test_layer_spec_is_chosen_never_guessed(monkeypatch):
+    """model.spec: auto is local on CPU, te on CUDA with Transformer Engine, torch on CUDA without;
+    te without CUDA/Transformer Engine is an error naming the way out, never a quiet switch."""
+    from megatron_rl.models import bridge
     from megatron_rl.models.bridge import resolve_spec
 
     assert resolve_spec("auto") == "local"
     assert resolve_spec("local") == "local"
+    assert resolve_spec("torch") == "torch"
     with pytest.raises(ValueError, match="model.spec=local"):
         resolve_spec("te")
-    with pytest.raises(ValueError, match="valid: auto, te, local"):
+    with pytest.raises(ValueError, match="valid: auto, te, torch, local"):
         resolve_spec("tee")
+    # A CUDA machine, with and without Transformer Engine.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bridge, "_te_import_error", lambda: None)
+    assert resolve_spec("auto") == "te" and resolve_spec("te") == "te"
+    monkeypatch.setattr(bridge, "_te_import_error", lambda: ImportError("no transformer_engine"))
+    assert resolve_spec("auto") == "torch"
+    with pytest.raises(ValueError, match="model.spec=torch"):
+        resolve_spec("te")
 
 
 @pytest.mark.slow
