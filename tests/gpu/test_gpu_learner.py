@@ -1,5 +1,7 @@
 """(a) The learner on one GPU over NCCL: Megatron-Core with the local (non-TE) layer spec, bf16
-parameters with fp32 main grads, against transformers on the same device.
+parameters with fp32 main grads, against transformers on the same device; and the same model and
+a tiny MoE under `model.spec=torch` (SDPA attention, grouped expert GEMMs, models/torch_spec.py),
+forward only, against transformers with the same tolerances.
 
 Logits tolerance. Both models compute in bf16 with fp32 accumulation, in different op orders
 (fused QKV, Megatron's unfused softmax attention vs transformers' SDPA, other reduction orders),
@@ -10,7 +12,9 @@ rounds the scores to bf16 before its fp32 softmax, where SDPA keeps them in fp32
 (unit roundoff 2^-8) gives ~1e-2; a mapping or kernel error is O(1) (seen: a garbage rotary
 buffer moved the log-softmax by 0.3, 55x transformers' bf16 error, on the CPU dry run's model). Megatron in fp32 must match transformers in fp32 to
 2e-4 (fp32 rounding, different op order; TF32 stays off, torch's default), which checks the weight
-mapping itself.
+mapping itself. The torch spec's bf16 MoE runs its experts through `torch._grouped_mm` where the
+device has the grouped kernel (CUDA 9.0+): the number of grouped calls is recorded and checked
+(none on CPU, where the per-expert loop runs).
 """
 
 from __future__ import annotations
@@ -37,11 +41,11 @@ MOE = dict(moe=True, num_experts=4, topk=2, moe_ffn=64)
 STEPS = 5
 
 
-def _config(hf_path: Path, dtype: str, micro_batch: int):
+def _config(hf_path: Path, dtype: str, micro_batch: int, spec: str = "local"):
     from megatron_rl.config.load import load_config, to_object
 
     return to_object(load_config("tiny_cpu", [
-        f"model.hf_path={hf_path}", "model.spec=local", f"model.dtype={dtype}", "optim.lr=1e-3",
+        f"model.hf_path={hf_path}", f"model.spec={spec}", f"model.dtype={dtype}", "optim.lr=1e-3",
         "optim.clip_grad=1.0", f"learner.micro_batch_size={micro_batch}"]))
 
 
@@ -113,6 +117,7 @@ def worker(shapes: dict) -> dict:
     ref = _hf_lsm(hf, torch.float32, batch, vocab, dev)
     hf_bf16 = _hf_lsm(hf, torch.bfloat16, batch, vocab, dev)
     ref_moe = _hf_lsm(hf_moe, torch.float32, batch, vocab, dev)
+    hf_moe_bf16 = _hf_lsm(hf_moe, torch.bfloat16, batch, vocab, dev)
 
     ctx = gpu_common.start_group()
     out: dict = {"backend": torch.distributed.get_backend()}
@@ -150,7 +155,49 @@ def worker(shapes: dict) -> dict:
     moe = Learner(_config(hf_moe, "float32", shapes["micro_batch"]), ctx, run_dir=str(tmp), trainable=False)
     experts = {type(m).__name__ for c in moe.model for m in c.modules() if "experts" in type(m).__module__}
     out_moe = {"experts": sorted(experts), "megatron_fp32": _errors(_megatron_lsm(moe, batch, vocab), ref_moe, batch)}
-    return {"dense": out, "moe": out_moe}
+    del moe
+    return {"dense": out, "moe": out_moe, "torch_spec": _torch_spec(ctx, hf, hf_moe, tmp, shapes, batch,
+                                                                 dict(dense=ref, moe=ref_moe),
+                                                                 dict(dense=hf_bf16, moe=hf_moe_bf16))}
+
+
+def _torch_spec(ctx, hf, hf_moe, tmp, shapes, batch, ref, hf_bf16) -> dict:
+    """model.spec=torch, forward only: {model: {dtype: errors vs transformers fp32}}, the modules
+    it built, and how many torch._grouped_mm calls the bf16 MoE forward made."""
+    import torch
+
+    from megatron_rl.learner.learner import Learner
+
+    vocab = shapes["model"]["vocab_size"]
+    calls = [0]
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return grouped_mm(*args, **kwargs)
+
+    out = {"modules": set()}
+    for model, path in (("dense", hf), ("moe", hf_moe)):
+        out[model] = {"hf_bf16": _errors(hf_bf16[model], ref[model], batch)}
+        for dtype in ("float32", "bfloat16"):
+            learner = Learner(_config(path, dtype, shapes["micro_batch"], spec="torch"), ctx,
+                              run_dir=str(tmp), trainable=False)
+            out["modules"] |= {type(m).__name__ for c in learner.model for m in c.modules()}
+            if grouped_mm is not None:
+                torch._grouped_mm = counting
+            try:
+                out[model][dtype] = _errors(_megatron_lsm(learner, batch, vocab), ref[model], batch)
+            finally:
+                if grouped_mm is not None:
+                    torch._grouped_mm = grouped_mm
+            if model == "moe" and dtype == "bfloat16":
+                out["moe_bf16_grouped_mm_calls"] = calls[0]
+            calls[0] = 0
+            del learner
+    out["grouped_kernel_here"] = bool(torch.cuda.is_available() and grouped_mm is not None
+                                      and torch.cuda.get_device_capability() >= (9, 0))
+    out["modules"] = sorted(out["modules"])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +249,25 @@ def test_moe_logits_match_transformers_fp32(results):
     gpu_common.record("a_learner", {"moe_logsoftmax_error_vs_hf_fp32": out["megatron_fp32"]})
     assert "SequentialMLP" in out["experts"] and "GroupedMLP" not in out["experts"], out
     assert out["megatron_fp32"]["max"] <= 2e-4, out
+
+
+def test_torch_spec_logits_match_transformers(results):
+    """model.spec=torch (SDPA, grouped experts), dense and MoE: fp32 within 2e-4 of transformers
+    fp32 (the mapping and the kernels' maths), bf16 within 4x transformers' own bf16 error (+1e-3),
+    the bounds of the local spec above; the bf16 MoE's experts through the grouped GEMM where this
+    device has it, the per-expert loop where not."""
+    out = results["torch_spec"]
+    gpu_common.record("a_learner", {"torch_spec_logsoftmax_error_vs_hf_fp32": out})
+    assert {"SDPAttention", "GroupedExperts"} <= set(out["modules"]), out["modules"]
+    assert not {"DotProductAttention", "SequentialMLP"} & set(out["modules"]), out["modules"]
+    for model in ("dense", "moe"):
+        e32, e16, hf = out[model]["float32"], out[model]["bfloat16"], out[model]["hf_bf16"]
+        assert e32["max"] <= 2e-4, (model, e32)
+        for k in ("max", "mean"):
+            assert e16[k] <= 4 * hf[k] + 1e-3, (model, k, e16, hf)
+    n_layers = SHAPES[gpu_common.device()]["model"]["num_layers"]
+    if out["grouped_kernel_here"]:
+        # two projections per MoE layer per micro-batch
+        assert out["moe_bf16_grouped_mm_calls"] >= 2 * n_layers, out
+    else:
+        assert out["moe_bf16_grouped_mm_calls"] == 0, out

@@ -1,17 +1,21 @@
-"""(d) Learner throughput and MFU on one H100 with the local (non-TE) layer spec: a Qwen3-1.7B-shaped
-dense model and a small Qwen3-MoE-shaped model, random weights (Megatron's own init; only the HF
-config is written), bf16 params, fp32 grads and Adam, one optimizer step per global batch through
-`Learner.train_step` (Megatron's schedule, the vocab-parallel NLL over every token).
+"""(d) Learner throughput, MFU and peak memory on one H100 for the two layer specs that need no
+Transformer Engine, `torch` (torch's SDPA attention and grouped expert GEMMs, models/torch_spec.py)
+and `local` (megatron-core's unfused attention and one-expert-at-a-time experts): a
+Qwen3-1.7B-shaped dense model and a small Qwen3-MoE-shaped model, random weights (Megatron's own
+init; only the HF config is written), bf16 params, fp32 grads and Adam, one optimizer step per
+global batch through `Learner.train_step` (Megatron's schedule, the vocab-parallel NLL over every
+token). Both specs run in one process, one after the other (torch first), each with its own
+warm-up; the peak-memory counter is reset between them and the first learner freed.
 
 FLOPs per token (training = 3 x forward, PaLM's convention, Chowdhery et al. 2022, App. B):
     6 * N_active + 12 * L * n_heads * head_dim * S
 N_active = the matmul weights one token passes through: per layer Q, K, V, O projections and the
 MLP (MoE: the router and the top-k experts), plus the LM head (V x h; with tied embeddings the one
 matrix counts once, as the head). The attention term counts the full S x S score and value
-products (not halved for causality), as the local spec computes them. MFU = tokens/s x FLOPs per
-token / 989e12, the H100 SXM's dense bf16 peak (NVIDIA's datasheet figure without sparsity).
-The local spec runs unfused attention and sequential experts, so these figures are the local
-spec's, not Transformer Engine's.
+products (not halved for causality), as the local spec computes them; the torch spec's causal
+kernels skip about half of them, and the same formula is kept for both so that their MFU ratio is
+their tokens/s ratio. MFU = tokens/s x FLOPs per token / 989e12, the H100 SXM's dense bf16 peak
+(NVIDIA's datasheet figure without sparsity). Neither spec is Transformer Engine's.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ MODELS = {
                           seq=64, batch=4, micro_batch=2),
     },
 }
+SPECS = ("torch", "local")  # measured in this order, in one process
 WARMUP = {"cuda": 2, "cpu": 1}  # torch.compile (megatron-core's jit_fuser) compiles in the first steps
 TIMED = {"cuda": 4, "cpu": 2}
 
@@ -84,6 +89,26 @@ def _write_config(path: Path, hf: dict) -> Path:
 
 
 def throughput_worker(name: str, spec: dict) -> dict:
+    """{layer spec: figures} for every one of SPECS, in this process."""
+    import gc
+
+    import torch
+
+    dev = gpu_common.device()
+    hf = _write_config(Path(tempfile.mkdtemp()) / name, spec["hf"])
+    ctx = gpu_common.start_group()
+    out = {}
+    for layer_spec in SPECS:
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        out[layer_spec] = _measure(ctx, hf, spec, layer_spec)
+        gc.collect()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
     import torch
 
     from megatron_rl.config.load import load_config, to_object
@@ -97,13 +122,14 @@ def throughput_worker(name: str, spec: dict) -> dict:
             return build_model_chunks(self.bridge, self.ctx)
 
     dev = gpu_common.device()
-    hf = _write_config(Path(tempfile.mkdtemp()) / name, spec["hf"])
-    ctx = gpu_common.start_group()
     cfg = to_object(load_config("tiny_cpu", [
-        f"model.hf_path={hf}", "model.spec=local", "model.dtype=bfloat16", "optim.lr=1e-5",
+        f"model.hf_path={hf}", f"model.spec={layer_spec}", "model.dtype=bfloat16", "optim.lr=1e-5",
         f"learner.micro_batch_size={spec['micro_batch']}"]))
+    # What the learner before this one left allocated (it was freed: this should be ~0).
+    before_gib = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0
     learner = RandomInitLearner(cfg, ctx, run_dir=str(hf.parent))
     params = sum(p.numel() for c in learner.model for p in c.parameters())
+    modules = sorted({type(m).__name__ for c in learner.model for m in c.modules()})
     B, S = spec["batch"], spec["seq"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec["hf"]["vocab_size"], (B, S), generator=g)
@@ -121,22 +147,34 @@ def throughput_worker(name: str, spec: dict) -> dict:
     tokens_per_s = B * S / step
     out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
-               mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses)
+               mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules)
     if dev == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["allocated_before_build_gib"] = before_gib
+    del learner
     return out
 
 
 @pytest.mark.parametrize("name", ["dense_1p7b", "moe_small"])
 def test_learner_throughput_and_mfu(name):
     spec = MODELS[gpu_common.device()][name]
-    out = gpu_common.run_isolated(throughput_worker, name, spec, timeout=480)
-    gpu_common.record("d_throughput", {name: {**out, "peak_tflops_assumed": H100_BF16_PEAK / 1e12,
-                                              "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token"}})
-    print(f"{name}: {out['params'] / 1e9:.2f}B params, {out['tokens_per_s']:.0f} tokens/s, MFU {out['mfu']:.3f}")
-    if gpu_common.cuda():
-        # The shapes are the named ones: a config mapping error would change the parameter count.
-        expected = {"dense_1p7b": (1.6e9, 1.8e9), "moe_small": (1.9e9, 2.2e9)}[name]
-        assert expected[0] < out["params"] < expected[1], out["params"]
-    assert all(t > 0 for t in out["all_step_s"]) and 0 < out["mfu"] < 1, out
-    assert all(l == l and l < 1e3 for l in out["losses"]), out["losses"]  # finite training losses
+    per_spec = gpu_common.run_isolated(throughput_worker, name, spec, timeout=540)
+    torch_, local = per_spec["torch"], per_spec["local"]
+    gpu_common.record("d_throughput", {name: {
+        **per_spec, "torch_over_local_tokens_per_s": torch_["tokens_per_s"] / local["tokens_per_s"],
+        "peak_tflops_assumed": H100_BF16_PEAK / 1e12,
+        "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token (both specs)"}})
+    for layer_spec, out in per_spec.items():
+        mem = f", peak {out['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in out else ""
+        print(f"{name} model.spec={layer_spec}: {out['params'] / 1e9:.2f}B params, "
+              f"{out['tokens_per_s']:.0f} tokens/s, MFU {out['mfu']:.3f}{mem}")
+        if gpu_common.cuda():
+            # The shapes are the named ones: a config mapping error would change the parameter count.
+            expected = {"dense_1p7b": (1.6e9, 1.8e9), "moe_small": (1.9e9, 2.2e9)}[name]
+            assert expected[0] < out["params"] < expected[1], out["params"]
+        assert all(t > 0 for t in out["all_step_s"]) and 0 < out["mfu"] < 1, out
+        assert all(l == l and l < 1e3 for l in out["losses"]), out["losses"]  # finite training losses
+    # Each spec ran its own modules; the same model under both (same parameter count).
+    assert "SDPAttention" in torch_["modules"] and "DotProductAttention" in local["modules"], per_spec
+    assert ("GroupedExperts" in torch_["modules"]) == ("SequentialMLP" in local["modules"]), per_spec
+    assert torch_["params"] == local["params"]
