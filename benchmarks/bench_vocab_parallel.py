@@ -10,6 +10,13 @@ For each local-shard vocabulary size it times, on logits [T, V_local] fp32 per r
                                                 same without it (per-row sorted duplicate search)
   (d) naive reference: all-gather the full vocabulary, log_softmax, then the same quantities
   (e) megatron-core vocab_parallel_cross_entropy (Megatron's TP log-prob), forward + backward
+  (f) log pi(a_t) + entropy (no gradient) + top-K TV: the learner's DPPO top-K call with
+      entropy_coef = 0 (torch path, inplace_logits); f_bf16: bf16 logits (not in place)
+  (g) (f) with the entropy's gradient (loss + 0.01 H; torch path, not in place)
+  *_triton: the same call with kernel="triton" (megatron_rl/vocab_parallel/triton_kernels.py: one
+      read of the logits forward, one read + the gradient write backward); run with --triton
+      (default on CUDA). On CPU Triton's interpreter runs them (TRITON_INTERPRET=1, triton on
+      sys.path): a check that the code runs, its times mean nothing.
 Times are the minimum over --reps repetitions of the slowest rank (barrier before each run, the
 variants interleaved within each repetition in a shuffled order); forward-only times are reported
 too. Ratios are also
@@ -68,7 +75,17 @@ VARIANTS = {
     "c_sort_inplace": "+ top-K TV/KL, inplace_logits, general duplicate search",
     "d": "naive full gather",
     "e": "megatron vocab_parallel_cross_entropy",
+    "f": "log-prob + entropy + top-K TV, inplace_logits",
+    "g": "log-prob + entropy (grad) + top-K TV",
+    "f_bf16": "log-prob + entropy + top-K TV, bf16 logits",
+    "a_triton": "log-prob only, triton",
+    "c_triton": "+ top-K TV/KL, triton",
+    "f_triton": "log-prob + entropy + top-K TV, triton",
+    "f_triton_inplace": "log-prob + entropy + top-K TV, triton, inplace_logits",
+    "g_triton": "log-prob + entropy (grad) + top-K TV, triton",
+    "f_triton_bf16": "log-prob + entropy + top-K TV, triton, bf16 logits",
 }
+TRITON_VARIANTS = [k for k in VARIANTS if "_triton" in k]
 
 
 def _sync(device: torch.device) -> None:
@@ -130,9 +147,26 @@ def _naive(logits, target, rollout_logp, topk_ids, topk_logp, group, world):
                 topk_tv(mu_S, pi_S, keep), topk_kl(mu_S, pi_S, keep))
 
 
+def use_triton_interpreter() -> None:
+    """In a CPU process of its own: Triton's interpreter, with the triton the Makefile keeps off
+    sys.path (requirements/sglang-cpu-extras.txt). Before triton is first imported.
+    Only triton is taken from that folder: the torchvision beside it is SGLang's, built for
+    another torch (transformers would import it and fail), so the folder leaves sys.path again
+    once triton is imported (its submodules load through the package's own __path__)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    extras = os.path.join(sys.prefix, "sglang-cpu-extras")
+    sys.path.insert(0, extras)
+    try:
+        import triton  # noqa: F401
+    finally:
+        sys.path.remove(extras)
+
+
 def worker(rank, world, args):
     """One rank of the CPU run (spawned, gloo already up): set Megatron's TP group, measure."""
     torch.set_num_threads(1)  # 2 ranks on a 2-core machine
+    if args.triton:
+        use_triton_interpreter()
     from megatron.core import parallel_state
 
     megatron_error = None
@@ -150,6 +184,8 @@ def measure(rank, world, args, megatron_error=None):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     device = torch.device(getattr(args, "device", "cpu"))
+    triton = getattr(args, "triton", None)
+    triton = device.type == "cuda" if triton is None else triton
     group = dist.group.WORLD
     rows = []
     for v_local in args.vocab:
@@ -173,7 +209,9 @@ def measure(rank, world, args, megatron_error=None):
         target, rollout_logp, topk_ids, topk_logp, grad_out = (
             t.to(device) for t in (target, rollout_logp, topk_ids, topk_logp, grad_out))
         divs = {"a": (), "b": ("binary_tv", "binary_kl"),
-                "c": ("binary_tv", "binary_kl", "topk_tv", "topk_kl")}
+                "c": ("binary_tv", "binary_kl", "topk_tv", "topk_kl"),
+                "f": ("topk_tv",), "g": ("topk_tv",)}
+        logits_bf16 = logits.bfloat16() if any(k.endswith("_bf16") for k in VARIANTS) else None
 
         work = torch.empty_like(logits)  # the overwritable copy, same pages for every variant
 
@@ -182,18 +220,30 @@ def measure(rank, world, args, megatron_error=None):
             return work.detach()
 
         def ours(key, backward):
-            inplace = key.endswith("_inplace")
+            triton = "_triton" in key
+            # (f) is the learner's fp32 call with entropy_coef = 0: in place on the torch path
+            inplace = key.endswith("_inplace") or key == "f"
+            with_entropy, entropy_grad = key[0] in "fg", key[0] == "g"
             # inplace_logits overwrites its input: give it a copy, made outside the timing.
-            x = (fresh_copy() if inplace else logits.detach()).requires_grad_(backward)
+            if key.endswith("_bf16"):
+                x = logits_bf16.detach()
+            else:
+                x = fresh_copy() if inplace else logits.detach()
+            x.requires_grad_(backward)
 
             def run():
                 s = vocab_parallel_policy_stats(
                     x, target, group, rollout_logp=rollout_logp, topk_ids=topk_ids,
                     topk_logp=topk_logp, divergences=divs[key[0]], chunk_size=args.chunk,
                     inplace_logits=inplace, topk_distinct="_sort" not in key,
+                    with_entropy=with_entropy, entropy_grad=entropy_grad,
+                    kernel="triton" if triton else "torch",
                 )
                 if backward:
-                    (s.logp * grad_out).sum().backward()
+                    loss = (s.logp * grad_out).sum()
+                    if entropy_grad:
+                        loss = loss + 0.01 * (s.entropy * grad_out).sum()
+                    loss.backward()
                     x.grad = None
             return run
 
@@ -208,7 +258,10 @@ def measure(rank, world, args, megatron_error=None):
 
         row = {"v_local": v_local, "tokens": T, "chunk": args.chunk}
         runs = {}  # (variant, measure) -> factory of a fresh run
-        for key in ("a", "b", "c", "a_inplace", "b_inplace", "c_inplace", "c_sort_inplace"):
+        ours_keys = [k for k in VARIANTS if k not in ("d", "e")]
+        if not triton:
+            ours_keys = [k for k in ours_keys if k not in TRITON_VARIANTS]
+        for key in ours_keys:
             runs[key, "fwd"] = lambda key=key: ours(key, False)
             runs[key, "fwd_bwd"] = lambda key=key: ours(key, True)
         if megatron_error is None:
@@ -249,7 +302,12 @@ def measure(rank, world, args, megatron_error=None):
         row["grad_bytes"] = T * v_local * 4
         row["tp"] = world
         rows.append(row)
-    return {"rows": rows, "megatron_error": megatron_error}
+    return {"rows": rows, "megatron_error": megatron_error,
+            "triton_skipped": None if triton else TRITON_SKIPPED}
+
+
+TRITON_SKIPPED = ("the triton variants were not run (--triton is off by default on CPU, where only "
+                  "Triton's interpreter could run them)")
 
 
 def _median_ratio(num, den, measure="fwd_bwd") -> str:
@@ -272,6 +330,8 @@ def _fmt_table(res) -> str:
     mb = 2.0**20
     if res["megatron_error"]:
         out.append(f"megatron-core could not be set up: {res['megatron_error']}\n")
+    if res.get("triton_skipped"):
+        out.append(f"{res['triton_skipped']}\n")
     for row in res["rows"]:
         buf = row["buffer_bytes"]
         tp = row.get("tp", 2)
@@ -322,6 +382,18 @@ def _fmt_table(res) -> str:
         for key, ratios in row["pairs"].items():
             out.append(f"- inplace_logits, {len(ratios)} back-to-back pairs: fwd+bwd "
                        f"({key.split('_')[0]})/(a) {_median_ci(ratios)}")
+        if "f_triton" in row:
+            f, ft, fti = row["f"], row["f_triton"], row["f_triton_inplace"]
+            line = (f"- triton, log-prob + entropy + top-K TV: fwd+bwd {ft['fwd_bwd'] * 1e3:.2f} ms "
+                    f"(in place {fti['fwd_bwd'] * 1e3:.2f}) vs torch (f) {f['fwd_bwd'] * 1e3:.2f} ms: "
+                    f"(f_triton)/(f) = {ft['fwd_bwd'] / f['fwd_bwd']:.3f} ({_median_ratio(ft, f)}); "
+                    f"bf16 logits {row['f_triton_bf16']['fwd_bwd'] * 1e3:.2f} ms vs torch "
+                    f"{row['f_bf16']['fwd_bwd'] * 1e3:.2f}; peak extra beyond the gradient: "
+                    f"{(ft['mem_fwd_bwd'] - row['grad_bytes']) / buf:.3f} x buffer, in place "
+                    f"{fti['mem_fwd_bwd'] / buf:.3f} x buffer")
+            if "e" in row:
+                line += f"; (f_triton)/(e) fwd+bwd = {ft['fwd_bwd'] / row['e']['fwd_bwd']:.3f}"
+            out.append(line)
         if "d" in row:
             out.append(f"- naive (d) / (c) forward = {row['d']['fwd'] / row['c']['fwd']:.2f}, "
                        f"peak {row['d']['mem_fwd'] / buf:.1f} x buffer")
@@ -332,7 +404,8 @@ def _fmt_table(res) -> str:
 def summary(res) -> dict:
     """The figures of each row as plain numbers (ms, MiB) for a JSON record."""
     mib = 2.0**20
-    out = {"megatron_error": res["megatron_error"], "rows": []}
+    out = {"megatron_error": res["megatron_error"], "triton_skipped": res.get("triton_skipped"),
+           "rows": []}
     for row in res["rows"]:
         r = {"tokens": row["tokens"], "v_local": row["v_local"], "tp": row.get("tp", 2), "chunk": row["chunk"],
              "buffer_mib": row["buffer_bytes"] / mib, "grad_mib": row["grad_bytes"] / mib, "variants": {}}
@@ -388,7 +461,11 @@ def main(argv=None):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (cuda: 1)")
     p.add_argument("--json", help="also write the figures (ms, MiB) to this file")
+    p.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
+                   help="time the kernel='triton' variants too (default: on CUDA only)")
     args = p.parse_args(argv)
+    if args.triton is None:
+        args.triton = args.device == "cuda"
     t0 = time.perf_counter()
     if args.device == "cuda":
         res = _run_cuda(args)

@@ -83,7 +83,11 @@ def _checks(group, tp_rank, tp):
 def all_checks(rank, world_size):
     torch.set_num_threads(1)
     os.environ["TRITON_INTERPRET"] = "1"  # this rank only; set before triton is first imported
-    sys.path.insert(0, str(TRITON_DIR))
+    sys.path.insert(0, str(TRITON_DIR))  # for triton only (its torchvision is SGLang's): removed
+    try:  # again once triton is imported
+        import triton  # noqa: F401
+    finally:
+        sys.path.remove(str(TRITON_DIR))
     out = {"tp4": _checks(dist.group.WORLD, rank, world_size)}
     # Megatron-style TP=2 groups: ranks {0, 1} and {2, 3}; every rank creates every group.
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
