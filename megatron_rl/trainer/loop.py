@@ -193,7 +193,14 @@ def validate(cfg: JobConfig) -> None:
         if getattr(cfg.trainer, flag) and importlib.util.find_spec(package) is None:
             raise ValueError(f"trainer.{flag}=true needs the {package} package, which is not installed: "
                              f"pip install -e '.[loggers]' (tensorboard and wandb), or pip install {package}")
+    from megatron_rl.vocab_parallel import KERNELS
     from megatron_rl.weights.fp8 import QUANTIZATIONS
+
+    if cfg.learner.loss_kernel not in KERNELS:
+        raise ValueError(f"learner.loss_kernel={cfg.learner.loss_kernel!r}; valid: {', '.join(KERNELS)}")
+    if cfg.learner.loss_kernel == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("learner.loss_kernel=triton needs the triton package, which is not importable here "
+                         "(it comes with CUDA builds of torch); learner.loss_kernel=torch runs everywhere")
 
     if r.quantization not in QUANTIZATIONS:
         raise ValueError(f"rollout.quantization={r.quantization!r}; valid: {', '.join(QUANTIZATIONS)}")
@@ -722,7 +729,8 @@ class Trainer:
             loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens,
                                  dp_group=self.ctx.dp_group, device=self.ctx.device,
                                  split_at_step=self.step if split else None,
-                                 record=every > 0 and self.step % every == 0)
+                                 record=every > 0 and self.step % every == 0,
+                                 kernel=self.cfg.learner.loss_kernel)
             out = self.learner.train_step(mb, loss_fn, routing=routing)
             out |= loss_fn.finish(self.learner)
             if loss_fn.records is not None:

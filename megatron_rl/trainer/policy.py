@@ -27,7 +27,7 @@ class PolicyLoss:
 
     def __init__(self, algo: AlgorithmConfig, mini_batch, temperature: float,
                  max_response_length: int, *, dp_group=None, device=None, split_at_step: int | None = None,
-                 record: bool = False):
+                 record: bool = False, kernel: str = "torch"):
         """`mini_batch`: the whole mini-batch (a dict every rank holds), or this rank's part of it
         (a RolloutBatch; then `dp_group` sums the normaliser over the data-parallel ranks).
         `split_at_step`: the learner's step in asynchronous training; the trust-region diagnostics
@@ -36,6 +36,7 @@ class PolicyLoss:
         `record`: keep every loss token's log π, log μ and advantage with its sequence (`records`;
         trainer.token_log_every writes them for the testbed's token-level analysis)."""
         self.algo, self.temperature, self.max_len = algo, temperature, max_response_length
+        self.kernel = kernel  # learner.loss_kernel: "torch" or "triton"
         self.split_at_step = split_at_step
         self.split_stats: dict[str, object] = {}
         mask = mini_batch["loss_mask"]
@@ -62,10 +63,12 @@ class PolicyLoss:
             topk_logp=mb.get("topk_logp") if topk else None,
             divergences=divs, with_entropy=True, entropy_grad=a.entropy_coef != 0,
             temperature=self.temperature, vocab_size=vocab_size,
-            # The output layer's fp32 logits are read by nothing after the loss: reuse their
-            # storage as the scratch buffer and then as the gradient (megatron-core's trick).
-            inplace_logits=logits_BSV.dtype == torch.float32 and a.entropy_coef == 0
-            and logits_BSV.is_contiguous(),
+            # The output layer's logits are read by nothing after the loss: reuse their storage as
+            # the scratch buffer and then as the gradient (megatron-core's trick). The torch path
+            # does it for fp32 logits without the entropy gradient; the Triton kernel for any dtype.
+            inplace_logits=logits_BSV.is_contiguous() and (
+                self.kernel == "triton" or (logits_BSV.dtype == torch.float32 and a.entropy_coef == 0)),
+            kernel=self.kernel,
             topk_distinct=True)  # RolloutBatch.from_records checked every top-K row
         kwargs = self.kwargs
         if self.entropy_eps is not None:
