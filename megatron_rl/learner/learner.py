@@ -37,8 +37,8 @@ from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
 from megatron_rl.trainer.batch import (
-    RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype,
-    split_micro_batches,
+    RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype, route_fill,
+    split_micro_batches, widen_routes,
 )
 from megatron_rl.models.bridge import (
     build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
@@ -86,7 +86,10 @@ class Learner:
 
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            # Each bucket's data-parallel reduce starts when the last micro-batch's backward has
+            # filled it, overlapping the rest of the backward (the schedules enable grad sync for
+            # the last micro-batch of each chunk; finalize_model_grads waits for the handles).
+            overlap_grad_reduce=True,
             use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
             average_in_collective=False,
         )
@@ -174,8 +177,8 @@ class Learner:
             for k, v in batch.items():
                 v = v[start:start + mbs]
                 if v.dim() >= 2 and v.shape[1] == S and S_pad != S:
-                    # Padded positions have no route: -1 (router_replay.py), not expert 0.
-                    fill = -1 if k == "routed_experts" else 0
+                    # Padded positions have no route (-1, or a compact dtype's `no_route`), not expert 0.
+                    fill = route_fill(v.dtype) if k == "routed_experts" else 0
                     pad = v.new_full((v.shape[0], S_pad - S, *v.shape[2:]), fill)
                     v = torch.cat([v, pad], dim=1)
                 mb[k] = v.to(self.ctx.device)
@@ -241,6 +244,10 @@ class Learner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)()
             chunk = self._chunk_index[id(model)]
+            if replay is not None and replay.mode == "replay" and "routed_experts" in mb:
+                # Routes travel compact (uint8 for up to 255 experts, 8x less than int64) and are
+                # widened here, on the device, for the router replay.
+                mb = {**mb, "routed_experts": widen_routes(mb["routed_experts"])}
             if replay is not None:
                 replay.before_forward(chunk, mb)
             output = model(mb["input_ids"], mb["position_ids"], None)

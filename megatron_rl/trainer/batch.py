@@ -238,10 +238,12 @@ class RolloutBatch:
                             dict(first.spec))
 
     def micro_batch(self, indices: torch.Tensor, S: int, device=None) -> dict[str, torch.Tensor]:
-        """The learner's padded micro-batch of `indices`, S positions (≥ their longest)."""
+        """The learner's padded micro-batch of `indices`, S positions (≥ their longest). Routes
+        stay compact (uint8 / int16, `no_route` on padding) on the way to the device; the
+        learner's forward step widens them there (`widen_routes`)."""
         out = {}
         for name in self.tok:
-            dtype = torch.long if name in ("input_ids", "topk_ids", "routed_experts") else None
+            dtype = torch.long if name in ("input_ids", "topk_ids") else None
             out[name] = self.padded(name, indices, S, dtype)
         out["labels"] = self.padded("labels", indices, S, torch.long)
         for name, v in self.seq.items():
@@ -504,13 +506,25 @@ def split_micro_batches(plan: list[torch.Tensor], n_micro: int) -> list[torch.Te
     return out
 
 
+def widen_routes(routes: torch.Tensor) -> torch.Tensor:
+    """Routes as the router replay reads them: int64, −1 where a position has no route. Compact
+    routes (uint8 / int16 with `no_route`) are widened on their own device; int64 ones pass."""
+    if routes.dtype == torch.int64:
+        return routes
+    return routes.long().masked_fill_(routes == no_route(routes.dtype), -1)
+
+
+def route_fill(dtype: torch.dtype) -> int:
+    """The padding value of routes of `dtype`: −1 for int64, `no_route` for compact ones."""
+    return -1 if dtype == torch.int64 else no_route(dtype)
+
+
 def empty_micro_batch(batch: RolloutBatch, S: int) -> dict[str, torch.Tensor]:
     """One padding sequence of S positions with no loss (a rank's filler micro-batch)."""
     out = {}
     for name, (dtype, trail) in batch.spec.items():
-        wide = torch.long if name in ("input_ids", "topk_ids", "routed_experts") else dtype
-        fill = -1 if name == "routed_experts" else batch.fill(name, dtype)
-        out[name] = torch.full((1, S, *trail), fill, dtype=wide)
+        wide = torch.long if name in ("input_ids", "topk_ids") else dtype
+        out[name] = torch.full((1, S, *trail), batch.fill(name, dtype), dtype=wide)
     out["labels"] = torch.full((1, S), batch.pad_id, dtype=torch.long)
     for name, v in batch.seq.items():
         out[name] = torch.zeros(1, dtype=v.dtype)

@@ -37,7 +37,7 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_opt=False, save_to=None,
-                  spec="local"):
+                  spec="local", steps=1):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -76,13 +76,15 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_op
         from megatron_rl.models.bridge import save_hf_checkpoint
 
         save_hf_checkpoint(learner.bridge, learner.model, save_to, tokenizer_src=hf_path)
-    metrics = learner.train_step(batch)
+    for _ in range(steps):
+        metrics = learner.train_step(batch)
     exported_after = {k: v.clone() for k, v in learner.export_hf_weights()}
     if rank != 0 and not (ctx.is_last_stage and ctx.tp_rank == 0 and ctx.dp_rank == 0):
         return None
     return dict(logits=logits, metrics=metrics, before=exported_before, after=exported_after,
                 layout=ctx.describe(),
-                modules={type(m).__name__ for c in learner.model for m in c.modules()})
+                modules={type(m).__name__ for c in learner.model for m in c.modules()},
+                overlap=[m.ddp_config.overlap_grad_reduce for m in learner.model])
 
 
 def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
@@ -96,7 +98,8 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
 
 
 def hf_reference(hf_path, scratch):
-    """Logits, loss, grad norm and weights after one clipped Adam step, from HF transformers.
+    """Logits, loss, grad norm and weights after one clipped Adam step, from HF transformers;
+    loss, grad norm and weights of a second step on the same batch (`*2`).
 
     Weights are compared under the checkpoint's on-disk names (transformers 5 fuses MoE experts
     in memory and splits them again in save_pretrained), so the reference goes through a save.
@@ -106,17 +109,21 @@ def hf_reference(hf_path, scratch):
     model = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32)
     original = checkpoint_tensors(hf_path)
     batch = make_batch()
-    logits = model(batch["input_ids"]).logits
-    logp = torch.log_softmax(logits.double(), -1).gather(-1, batch["labels"][..., None])[..., 0]
-    loss = -(logp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt = torch.optim.Adam(model.parameters(), lr=LR, eps=ADAM_EPS, betas=(0.9, 0.999))
-    opt.step()
-    model.save_pretrained(scratch)
-    after = checkpoint_tensors(scratch)
-    return dict(logits=logits.detach(), loss=float(loss), grad_norm=float(grad_norm),
-                original=original, after=after)
+    out = dict(original=original)
+    for step in ("", "2"):
+        opt.zero_grad()
+        logits = model(batch["input_ids"]).logits
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, batch["labels"][..., None])[..., 0]
+        loss = -(logp * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        model.save_pretrained(Path(scratch) / f"step{step or 1}")
+        out.update({f"logits{step}": logits.detach(), f"loss{step}": float(loss),
+                    f"grad_norm{step}": float(grad_norm),
+                    f"after{step}": checkpoint_tensors(Path(scratch) / f"step{step or 1}")})
+    return out
 
 
 def layouts_worker(rank, world_size, hf_path, runs):
@@ -172,6 +179,10 @@ def dense(tmp_path_factory):
     runs = {name: (w, dict(parallel=p)) for name, (w, p) in DENSE_LAYOUTS.items()}
     runs["dp2_dist_opt"] = (2, dict(parallel={}, dist_opt=True))
     runs["pp2_recompute"] = (2, dict(parallel={"pp": 2}, recompute="full"))
+    # Two steps: megatron-core launches the overlapped gradient reduce from the backward hooks
+    # only from the second step on (the first records which grads each bucket waits for).
+    runs["dp2_two_steps"] = (2, dict(parallel={}, steps=2))
+    runs["dp2_dist_opt_two_steps"] = (2, dict(parallel={}, dist_opt=True, steps=2))
     for name, local in DENSE_TORCH.items():
         runs[name] = (2, dict(parallel=DENSE_LAYOUTS[local][1], spec="torch"))
     return path, hf_reference(path, tmp_path_factory.mktemp("dense_after")), _run_layouts(path, runs)
@@ -187,6 +198,7 @@ def moe(tmp_path_factory):
     runs["tp2_ep2_sp"][1]["save_to"] = str(saved)  # saved before its training step
     for name, local in MOE_TORCH.items():
         runs[name] = (2, dict(parallel=MOE_LAYOUTS[local][1], spec="torch"))
+    runs["ep2_two_steps"] = (2, dict(parallel={"ep": 2}, steps=2))
     return path, hf_reference(path, tmp_path_factory.mktemp("moe_after")), _run_layouts(path, runs), saved
 
 
@@ -208,6 +220,21 @@ def test_distributed_optimizer_matches_hf(dense):
 def test_moe_layouts_match_hf(moe, name):
     _, ref, out, _ = moe
     _check_against_hf(out[name], ref, f"{name} {MOE_LAYOUTS[name][1]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2_two_steps", "dp2_dist_opt_two_steps", "ep2_two_steps"])
+def test_overlapped_grad_reduce_second_step_matches_hf(dense, moe, name):
+    """overlap_grad_reduce: the second step's reduce runs from the backward hooks, bucket by
+    bucket (DP2: dense buckets all-reduced or reduce-scattered; EP2: dense DP2 beside the
+    experts' own buckets) and equals HF's second step."""
+    ref, out = (moe[1], moe[2]) if name.startswith("ep2") else (dense[1], dense[2])
+    out = out[name]
+    assert out["overlap"] == [True], out["overlap"]
+    assert out["metrics"]["loss"] == pytest.approx(ref["loss2"], rel=1e-5), name
+    assert out["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm2"], rel=1e-5), name
+    worst = max((out["after"][k] - ref["after2"][k]).abs().max().item() for k in ref["after2"])
+    assert worst <= 2e-6, f"{name}: weights after two steps differ from the reference by {worst}"
 
 
 def _check_against_local(out, local, label):

@@ -96,7 +96,7 @@ def test_batch_honours_the_episode_mask():
     assert torch.equal(mb["rollout_logp"][0, rows], torch.where(rec.loss_mask, rec.rollout_logp, 0.0))
     assert torch.equal(mb["labels"][0, rows], rec.response_ids)
     assert torch.equal(mb["topk_ids"][0, rows], rec.topk_ids.long())
-    assert torch.equal(mb["routed_experts"][0, :P + 9], rec.routes.long())
+    assert torch.equal(mb["routed_experts"][0, :P + 9], rec.routes)
     assert mb["loss_mask"][1].nonzero().flatten().tolist() == [3, 4, 5]
     # The outcome reward sits on the last model token (the response ends with one).
     assert batching.token_rewards(mb)[0].nonzero().flatten().tolist() == [P - 1 + 9]

@@ -57,8 +57,9 @@ def test_batch_alignment_matches_records():
         assert torch.equal(b["labels"][i, on], r.response_ids)
         assert torch.equal(b["rollout_logp"][i, on], r.rollout_logp)
         assert torch.equal(b["topk_ids"][i, on], r.topk_ids)
-        assert torch.equal(b["routed_experts"][i, :P + T - 1], r.sequence_routed_experts().long())
-        assert (b["routed_experts"][i, P + T - 1:] == -1).all()
+        # Routes stay compact (uint8, 255 = no route) until the learner's forward step widens them.
+        assert torch.equal(b["routed_experts"][i, :P + T - 1], r.sequence_routed_experts())
+        assert (b["routed_experts"][i, P + T - 1:] == 255).all()
     tr = batching.token_rewards(b)
     assert tr.sum(1).tolist() == [1.0, 0.0, 1.0]
     assert tr[0, 3].item() == 1.0  # last response prediction of sequence 0 (P=3, T=2) is position 3
@@ -91,9 +92,16 @@ def test_rollout_batch_fields_round_trip():
     back = batching.RolloutBatch.unpack(buf, counts, b.schema(), len(b), b.pad_id)
     for name in b.keys():
         assert torch.equal(back[name], b[name]), name
-    # uint8 routes widen to the learner's int64 with −1 where a position has no route.
+    # uint8 routes travel compact and widen to the learner's int64 with −1 where a position has no
+    # route; int16 routes (past 255 experts) likewise; int64 ones pass unchanged.
     mb = b.micro_batch(torch.tensor([1]), 8)
-    assert mb["routed_experts"].dtype == torch.int64 and (mb["routed_experts"][0, 2:] == -1).all()
+    assert mb["routed_experts"].dtype == torch.uint8 and (mb["routed_experts"][0, 2:] == 255).all()
+    wide = batching.widen_routes(mb["routed_experts"])
+    assert wide.dtype == torch.int64 and (wide[0, 2:] == -1).all()
+    assert torch.equal(wide[0, :2], recs[1].sequence_routed_experts().long())
+    i16 = torch.tensor([[3, 300], [-1, 0]], dtype=torch.int16)
+    assert batching.widen_routes(i16).tolist() == [[3, 300], [-1, 0]]
+    assert batching.widen_routes(wide) is wide
     with pytest.raises(ValueError, match="positions, the batch's longest sequence has 12"):
         b["advantages"] = adv[:, :5]
 
