@@ -489,3 +489,21 @@ def test_eval_metrics_with_and_without_missing_samples():
     assert eval_metrics(cut, 2, missing=1) == {"eval/mean@2": 2 / 5, "eval/pass@2": 1 / 2,
                                               "eval/missing_samples": 1.0}
     assert eval_metrics([[], []], 2, missing=4) == {"eval/missing_samples": 4.0}  # nothing finished: no NaN
+
+
+def test_learner_loss_kernel_is_checked_and_reaches_the_policy_stats():
+    """learner.loss_kernel: a typo names the valid kernels; triton where it cannot be imported is
+    refused before the start (it is kept off this CPU venv's path); PolicyLoss hands the choice on."""
+    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.policy import PolicyLoss
+
+    with pytest.raises(ValueError, match="valid: torch, triton"):
+        validate(to_object(load_config("tiny_cpu", ["learner.loss_kernel=cuda"])))
+    with pytest.raises(ValueError, match="needs the triton package"):
+        validate(to_object(load_config("tiny_cpu", ["learner.loss_kernel=triton"])))
+    cfg = to_object(load_config("tiny_cpu"))
+    mb = dict(loss_mask=torch.ones(1, 3), labels=torch.zeros(1, 3, dtype=torch.long),
+              rollout_logp=torch.zeros(1, 3), advantages=torch.ones(1, 3))
+    loss = PolicyLoss(cfg.algorithm, mb, 1.0, 3, kernel="bogus")
+    with pytest.raises(ValueError, match="unknown kernel 'bogus'"):
+        loss(torch.zeros(1, 3, 8), mb, None, 8)
