@@ -183,3 +183,28 @@ def test_a_gpu_recipes_own_servers_get_fp8_serving():
     assert server_extra_args(cuda)[:2] == ("--quantization", "fp8")
     cpu = to_object(load_config(recipe, ["rollout.quantization=fp8", "rollout.device=cpu"]))
     assert "--quantization" not in server_extra_args(cpu)
+
+
+def test_disk_push_writes_the_served_tensors_as_sharded_safetensors(tmp_path):
+    """The disk transport with FP8 rollouts writes the served stream itself: shards with their index,
+    the source's config and tokenizer files, the old shards gone."""
+    from safetensors import safe_open
+
+    from megatron_rl.models.tiny import make_tiny_checkpoint
+    from megatron_rl.weights.sync_disk import write_safetensors
+
+    src = make_tiny_checkpoint(tmp_path / "src")
+    out = tmp_path / "weights"
+    out.mkdir()
+    (out / "stale.safetensors").write_bytes(b"old")
+    g = torch.Generator().manual_seed(4)
+    named = [("model.layers.0.self_attn.q_proj.weight", torch.randn(64, 64, generator=g)),
+             ("model.norm.weight", torch.randn(64, generator=g))]
+    served = list(ServedWeights("fp8", "serve").apply(named))
+    write_safetensors(iter(served), out, src, shard_bytes=4100)  # q (4096 B) + scale, then the norm
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == {n for n, _ in served} and len(set(index.values())) == 2
+    assert not (out / "stale.safetensors").exists() and (out / "config.json").exists()
+    for name, t in served:
+        with safe_open(str(out / index[name]), "pt") as f:
+            assert torch.equal(f.get_tensor(name).view(torch.uint8), t.view(torch.uint8)), name
