@@ -24,7 +24,8 @@ submodules swapped:
   and runs one grouped GEMM (`torch._grouped_mm`, offsets = cumulative tokens per expert) on CUDA
   devices of compute capability 9.0+ in bf16 with 16-byte-aligned rows, and an exact loop of one
   matmul per expert elsewhere (CPU, fp32, older GPUs). The stack copies each layer's expert
-  weights once per forward (and their gradient splits back into the per-expert parameters).
+  weights once in the forward and once more in the backward (the backward's copy is made there,
+  not kept from the forward); its gradient splits back into the per-expert parameters.
 
 Not supported (an error at build time, not a silent difference): context parallelism, sliding
 window attention, softmax offsets ("off-by-one"/"learnable"), attention bias, FP8/FP4 experts,
@@ -37,7 +38,7 @@ import copy
 import inspect
 import math
 from contextlib import nullcontext
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -184,18 +185,53 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         d % 8 == 0 for w in (x, *weights) for d in w.shape[1:])
 
 
-def grouped_linear(x_TK: torch.Tensor, w_ENK: torch.Tensor, tokens_per_expert: list[int],
+def grouped_linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: list[int],
                    offsets: Optional[torch.Tensor] = None, *, grouped: bool) -> torch.Tensor:
-    """y[rows of expert e] = x[rows of expert e] @ w[e]ᵀ: x [T, K] with rows contiguous per expert
-    (counts `tokens_per_expert`, summing to T), w [E, N, K] (a Linear's [out, in] per expert);
-    -> [T, N]. `grouped`: one `torch._grouped_mm` call (`offsets` = int32 cumulative counts on
-    x's device); else one matmul per expert."""
-    if grouped:
-        if offsets is None:
-            offsets = torch.tensor(tokens_per_expert, device=x_TK.device).cumsum(0).to(torch.int32)
+    """y[rows of expert e] = x[rows of expert e] @ weights[e]ᵀ: x [T, K] with rows contiguous per
+    expert (counts `tokens_per_expert`, summing to T), weights[e] [N, K] (a Linear's [out, in]);
+    -> [T, N]. `grouped`: the weights stacked to [E, N, K] and one `torch._grouped_mm` call
+    (`offsets` = int32 cumulative counts on x's device); else one matmul per expert on the
+    weights themselves.
+
+    The stack is a copy; autograd would keep it for the input's gradient until the backward,
+    one copy of every layer's expert weights per micro-batch in flight. It keeps a recipe
+    instead (the weights, which do not change before the optimizer step) and stacks them
+    again in the backward."""
+    if not grouped:
+        outs = [x_e @ w.t() for x_e, w in zip(torch.split(x_TK, tokens_per_expert), weights)]
+        return torch.cat(outs) if outs else x_TK.new_zeros(0, weights[0].shape[0])
+    w_ENK = torch.stack(list(weights))
+    if offsets is None:
+        offsets = torch.tensor(tokens_per_expert, device=x_TK.device).cumsum(0).to(torch.int32)
+    with torch.autograd.graph.saved_tensors_hooks(*_restack_hooks(w_ENK, weights)):
         return torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets)
-    outs = [x_e @ w_ENK[e].t() for e, x_e in enumerate(torch.split(x_TK, tokens_per_expert))]
-    return torch.cat(outs) if outs else x_TK.new_zeros(0, w_ENK.shape[1])
+
+
+def _restack_hooks(stacked: torch.Tensor, weights: Sequence[torch.Tensor]):
+    """saved_tensors_hooks that save views of `stacked` as (weights, view geometry) and rebuild
+    them by stacking `weights` again when the backward needs them; other tensors pass."""
+    ptr = stacked.untyped_storage().data_ptr()
+    weights = tuple(weights)
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() == ptr:
+            return _Restack(weights, t.size(), t.stride(), t.storage_offset())
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _Restack):
+            w = torch.stack([p.detach() for p in saved.weights])
+            return w.as_strided(saved.size, saved.stride, saved.offset)
+        return saved
+
+    return pack, unpack
+
+
+class _Restack(NamedTuple):
+    weights: tuple
+    size: torch.Size
+    stride: tuple
+    offset: int
 
 
 class GroupedExperts(SequentialMLP):
@@ -229,10 +265,10 @@ class GroupedExperts(SequentialMLP):
             probs_T = torch.ones_like(probs_T)
         # Expert linears do no communication inside (the dispatcher does it), so the local shards'
         # plain products are the local spec's results.
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2F/ETP, H]
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, F/ETP]
+        w1 = [e.linear_fc1.weight for e in self.local_experts]  # E x [2F/ETP, H]
+        w2 = [e.linear_fc2.weight for e in self.local_experts]  # E x [H, F/ETP]
         counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
-        grouped = grouped_mm_supported(x_TH, w1, w2)
+        grouped = x_TH.shape[0] > 0 and grouped_mm_supported(x_TH, w1[0][None], w2[0][None])
         offsets = None
         if grouped:
             offsets = torch.as_tensor(counts, device=x_TH.device).cumsum(0).to(torch.int32)

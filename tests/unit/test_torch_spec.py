@@ -66,6 +66,37 @@ def test_grouped_linear_bf16_grouped_equals_loop():
     torch.testing.assert_close(a[0].double(), y64, rtol=2e-2, atol=5e-2)
 
 
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no _grouped_mm")
+def test_grouped_linear_keeps_no_stacked_copy_for_the_backward(monkeypatch):
+    """The [E, N, K] stack of the expert weights is freed when the forward returns (autograd keeps
+    the per-expert weights and stacks them again in the backward), and the gradients are exact."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, K, generator=g, requires_grad=True)
+    weights = [torch.randn(N, K, generator=g, requires_grad=True) for _ in range(E)]
+    up = torch.randn(T, N, generator=g)
+    stacks, grouped_mm = [], torch._grouped_mm
+
+    def spy(a, b, **kw):
+        stacks.append(weakref.ref(b._base))
+        return grouped_mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    y = grouped_linear(x, weights, COUNTS, grouped=True)
+    gc.collect()
+    assert len(stacks) == 1 and stacks[0]() is None, "the stacked weights outlived the forward"
+    (y * up).sum().backward()
+    y64 = _reference(x, torch.stack(weights), COUNTS)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-5, atol=1e-5)
+    x64, w64 = x.detach().double().requires_grad_(), torch.stack(weights).detach().double().requires_grad_()
+    (_reference(x64, w64, COUNTS) * up.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    for e, w in enumerate(weights):
+        torch.testing.assert_close(w.grad.double(), w64.grad[e], rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 H_Q, H_KV, D = 4, 2, 16
 
