@@ -83,7 +83,7 @@ class SDPAttention(MegatronModule):
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp)
         self.num_kv_heads = divide(config.num_query_groups, tp)
-        self.head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        self.head_dim = config.kv_channels
         # Megatron's apply_query_key_layer_scaling divides the scores by the layer number and its
         # softmax multiplies them back: the net scale is this one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
