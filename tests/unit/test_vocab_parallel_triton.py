@@ -17,12 +17,9 @@ the kernel once more in real gloo processes (TP 2 and 4).
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import subprocess
 import sys
-import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -63,38 +60,12 @@ def odd_ids():
 
 # ---------------------------------------------------------------- the child (interpreter)
 
-_STORE = None
-_GROUP_IDS = itertools.count()
-
-
 def _run_tp(tp, fn, x):
-    """fn(shard, group) on tp thread-ranks with a real gloo group; full-width gradient back."""
-    import torch.distributed as dist
+    """fn(shard, group) on tp thread-ranks with a real gloo group (test_vocab_parallel.run_tp); each
+    rank gets its own copy, since the in-place cases overwrite it."""
+    from test_vocab_parallel import run_tp
 
-    global _STORE
-    if tp == 1:
-        return [fn(x.clone(), None)]
-    _STORE = _STORE or dist.HashStore()
-    shards = x.split(V_PAD // tp, dim=-1)
-    prefix = f"tp{next(_GROUP_IDS)}"
-    results, errors = [None] * tp, []
-
-    def worker(rank):
-        try:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, _STORE), rank, tp,
-                                       timedelta(seconds=60))
-            results[rank] = fn(shards[rank].clone(), pg)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    if errors:
-        raise errors[0]
-    return results
+    return run_tp(tp, lambda shard, group, _rank: fn(shard.clone(), group), x)
 
 
 def _gather(results):
