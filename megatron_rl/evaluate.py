@@ -166,14 +166,14 @@ def _init_single_process() -> None:
     script, SLURM_NTASKS counts the job's tasks, not this process's peers)."""
     import torch.distributed as dist
 
-    from megatron_rl.rollout.server import free_port
-
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    # An in-memory store: a group of one needs no port (a probed free port can be taken before
+    # the bind by any other process on the node).
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
 
 
 def main(argv: list[str]) -> int:

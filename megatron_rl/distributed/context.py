@@ -62,8 +62,9 @@ def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
         port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          int(env.get("SLURM_LOCALID", 0)), addr, port)
-    # A lone process: any free port, so several single-process runs can share a machine.
-    port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else _free_port()
+    # A lone process: port 0, its store binds whatever port the kernel gives it (so several
+    # single-process runs share a machine, and no probed port can be taken before the bind).
+    port = int(env.get("MASTER_PORT", 0))
     return LaunchEnv(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
@@ -78,14 +79,6 @@ def local_device(local_rank: int, visible: int) -> int:
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): bind all of "
                            "a node's GPUs to every task, or exactly one")
     return local_rank
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

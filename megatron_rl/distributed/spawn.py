@@ -40,7 +40,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        except Exception as e:  # DistNetworkError: the probed port was taken before the bind
+            if "EADDRINUSE" in str(e):
+                queue.put((rank, "port", traceback.format_exc()))
+                return
+            raise
         result = fn(rank, world_size, *args)
         dist.barrier()  # no rank tears down while a peer still runs collectives
         # Serialise with torch.save: tensors sent through the queue as-is would be shared-memory
@@ -55,14 +61,32 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 900.0) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 900.0,
+                    attempts: int = 3) -> list[Any]:
     """Spawn `world_size` gloo processes running `fn(rank, world_size, *args)`; return results by rank.
 
-    `fn` must be importable by name (a module-level function) because processes are spawned.
+    `fn` must be importable by name (a module-level function) because processes are spawned. The
+    port is probed free here and bound by rank 0's store moments later; another process on the
+    machine can take it in between. Rank 0 then fails to bind before `fn` has run, and the run is
+    started again on a new port (up to `attempts` times).
     """
+    for attempt in range(attempts):
+        try:
+            return _run_once(fn, world_size, args, timeout)
+        except _PortTaken:
+            if attempt == attempts - 1:
+                raise RuntimeError(f"distributed run failed: {attempts} ports taken before rank 0 bound them")
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    port = 0 if world_size == 1 else free_port()  # a group of one: its store binds any free port
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
         for r in range(world_size)
@@ -71,6 +95,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    port_taken = False
     deadline = time.monotonic() + timeout
     while len(results) < world_size and not errors:
         try:
@@ -83,7 +108,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             elif time.monotonic() > deadline:
                 errors.append(f"timed out after {timeout:.0f}s; finished ranks: {sorted(results)}")
             continue
-        if ok:
+        if ok == "port":
+            errors.append(payload)
+            port_taken = True
+        elif ok:
             results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")  # peers may block in a collective
@@ -91,10 +119,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     # stop them. A worker that reported its result but hangs in interpreter shutdown (e.g. a
     # side process group's teardown) is not a failure of the run.
     for p in procs:
-        p.join(timeout=5 if errors else EXIT_GRACE_S)
+        p.join(timeout=0 if port_taken else 5 if errors else EXIT_GRACE_S)
         if p.is_alive():
             p.kill()
             p.join()
+    if port_taken:
+        raise _PortTaken()
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

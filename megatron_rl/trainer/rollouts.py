@@ -440,13 +440,13 @@ class Rollouts:
         # rollout.server_tp); a restarted server is asked again.
         servers = placement.checked_endpoints(self.urls(), self.cfg)
         if r.weight_sync == "distributed":
-            from megatron_rl.rollout.server import free_port
             from megatron_rl.weights.sync_distributed import DistributedWeightSync
 
             # Local servers reach rank 0 on loopback; remote ones on this host's address.
             addr = "127.0.0.1" if self.manager else os.environ.get("MASTER_ADDR") or socket.gethostbyname(socket.gethostname())
             # A fresh group name per connection: a server may still hold the group of a killed run.
-            t = DistributedWeightSync(servers, master_addr=addr, master_port=free_port(),
+            # The port is the one the group's store binds (no probe another process could race).
+            t = DistributedWeightSync(servers, master_addr=addr,
                                       group_name=f"megatron_rl_{uuid.uuid4().hex[:8]}")
             t.connect()
             return t

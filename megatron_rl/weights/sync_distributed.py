@@ -26,7 +26,7 @@ from megatron_rl.weights.endpoint import ServerEndpoint, ServersUnreachable, Wei
 
 
 class DistributedWeightSync:
-    def __init__(self, servers: Sequence[ServerEndpoint], *, master_addr: str, master_port: int,
+    def __init__(self, servers: Sequence[ServerEndpoint], *, master_addr: str, master_port: int = 0,
                  backend: str | None = None, group_name: str = "megatron_rl_weights",
                  bucket_bytes: int = 256 << 20, timeout_s: float = 600.0):
         self.servers = list(servers)
@@ -65,14 +65,17 @@ class DistributedWeightSync:
             raise WeightSyncError(message)
 
     def connect(self) -> None:
-        """Form the group: the servers join over HTTP while this process joins as rank 0."""
-        from megatron_rl.weights.process_group import new_side_group
+        """Form the group: the servers join over HTTP while this process joins as rank 0. With
+        master_port 0 (the default) the store listens on a port the kernel picks as it binds."""
+        from megatron_rl.weights.process_group import host_store, new_side_group
 
         world = 1 + sum(s.tp_size for s in self.servers)
         offsets, nxt = [], 1
         for s in self.servers:
             offsets.append(nxt)
             nxt += s.tp_size
+        store = host_store(self.master_addr, world, self.master_port)
+        self.master_port = store.port
         futures = [
             self._pool.submit(s.post, "/init_weights_update_group", {
                 "master_address": self.master_addr, "master_port": self.master_port,
@@ -81,7 +84,7 @@ class DistributedWeightSync:
             for s, off in zip(self.servers, offsets)
         ]
         self.group = new_side_group(self.backend, f"tcp://{self.master_addr}:{self.master_port}",
-                                    world_size=world, rank=0, group_name=self.group_name)
+                                    world_size=world, rank=0, group_name=self.group_name, store=store)
         for f in futures:
             f.result()
 

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 import torch
 
-from megatron_rl.distributed.spawn import free_port, run_distributed
+from megatron_rl.distributed.spawn import run_distributed
 from megatron_rl.models.tiny import make_tiny_checkpoint
 
 PROBE = [1, 40, 41, 18, 20, 19, 22, 2, 5, 1, 13, 17, 21, 30]
@@ -31,7 +31,7 @@ def server_logprobs(url: str, ids: list[int]) -> torch.Tensor:
     return torch.tensor([lp[0] for lp in meta["input_token_logprobs"][1:]], dtype=torch.float64)
 
 
-def sync_worker(rank, world_size, hf_path, url, group_port):
+def sync_worker(rank, world_size, hf_path, url):
     from megatron_rl.config.schema import JobConfig
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
@@ -56,7 +56,7 @@ def sync_worker(rank, world_size, hf_path, url, group_port):
            "initial_server": server_logprobs(url, PROBE)}
     endpoint = ServerEndpoint(url)
     for name, transport in [
-        ("distributed", DistributedWeightSync([endpoint], master_addr="127.0.0.1", master_port=group_port)),
+        ("distributed", DistributedWeightSync([endpoint], master_addr="127.0.0.1")),
         ("tensor", TensorWeightSync([endpoint])),
     ]:
         learner.train_step(batch)
@@ -103,7 +103,7 @@ def server(tmp_path_factory, shared_server):
 @pytest.mark.slow
 def test_sync_by_process_group_and_by_tensor(server):
     ckpt, url = server
-    out = run_distributed(sync_worker, 1, str(ckpt), url, free_port())[0]
+    out = run_distributed(sync_worker, 1, str(ckpt), url)[0]
     # Same weights at the start: the server and the learner agree.
     assert (out["initial_server"] - out["initial_learner"]).abs().max() <= 1e-4
     for name in ("distributed", "tensor"):

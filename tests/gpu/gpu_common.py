@@ -24,7 +24,6 @@ import io
 import json
 import os
 import queue as queue_mod
-import socket
 import sys
 import time
 import traceback
@@ -138,15 +137,11 @@ def record(section: str, values: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # one process per measurement
 # ---------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(fn: Callable, args: tuple, port: int, queue) -> None:
+def _child(fn: Callable, args: tuple, queue) -> None:
+    # Port 0: the group's store binds a port the kernel picks (a probed free port could be taken
+    # by another process before the bind).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT="0")
     try:
         import torch
 
@@ -171,7 +166,7 @@ def run_isolated(fn: Callable, *args: Any, timeout: float = 600.0) -> Any:
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, free_port(), queue))
+    proc = ctx.Process(target=_child, args=(fn, args, queue))
     proc.start()
     deadline = time.monotonic() + timeout
     try:
