@@ -251,6 +251,7 @@ class EvalConfig:
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
     timeout: Optional[float] = None  # seconds an evaluation may take (the other ranks wait for it): then what finished is scored, the rest aborted and counted in eval/missing_samples; None = no limit (keep it below trainer.rollout_wait_timeout)
+    servers: int = 0  # 0: evaluate on every server between steps (training waits); N > 0: evaluate beside training on the last N servers, held at the evaluated step's weights while the others serve training; the metrics join the row of the step it ends in, with eval/weights_step
 
 
 @dataclass

@@ -7,8 +7,12 @@ retries until it holds one finished sample, so every prompt ends with exactly n 
 key is ever produced twice — whatever happens to the servers:
 - connection errors, 5xx answers and timeouts mark the server down and retry the sample on
   another server (least loaded first) after exponential backoff (`backoff_initial` doubling up
-  to `backoff_max`); a down server is probed on `/health` and comes back into rotation once it
-  answers (an `EngineManager` restarts dead servers on the same port);
+  to `backoff_max`); a down server is probed (at most every DOWN_PROBE_S) and comes back into
+  rotation once it answers (an `EngineManager`, or the sbatch script's supervisor, restarts dead
+  servers on the same port) and, once the trainer has pushed weights (`expected_version`), holds
+  the version of the last push: a restarted server holds its initial checkpoint until the next
+  push. An answer under a version no push gave (a server restarted before this client saw it go)
+  is retried elsewhere and marks the server down the same way;
 - a sample that the server aborted without us asking (e.g. `/pause_generation` in abort mode
   around a weight update) is retried the same way, without marking the server down — unless the
   client continues aborted samples (`continue_aborted`, partial rollouts): then the tokens the
@@ -92,12 +96,14 @@ import orjson
 
 from . import auth
 from .records import (
+    UNKNOWN_VERSION,
     MalformedResponse,
     RolloutRecord,
     finish_reason,
     merge_segments,
     record_from_sglang,
     split_bulk_fields,
+    version_number,
 )
 
 logger = logging.getLogger(__name__)
@@ -178,6 +184,7 @@ CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /class
 TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
 STALL_TIMEOUT_S = 600.0  # default: seconds a busy server may give no sign of life (module docstring)
+DOWN_PROBE_S = 1.0  # a down server is probed at most this often (every pick would probe it otherwise)
 NO_TIMEOUT = math.inf  # a request timeout that never fires (ServerAPI)
 
 
@@ -420,6 +427,11 @@ class RolloutClient:
         self.num_experts = num_experts
         self.retry_events: list[RetryEvent] = []
         self._down: dict[str, float] = {}
+        self._next_probe: dict[str, float] = {}  # a down server is probed again from then on
+        # The weight version every server in rotation holds (the trainer's last push), or None: a
+        # down server returns only holding it (`_back`).
+        self.expected_version: str | None = None
+        self._stale_said: dict[str, str] = {}
         self._inflight: dict[str, dict[str, tuple[int, int]]] = {}
         # Attempts assigned to each server: waiting for one of its slots or in flight there. The
         # server choice reads this, not _inflight: once every slot is taken, requests counted only
@@ -486,10 +498,10 @@ class RolloutClient:
             if self._aborted.is_set():
                 raise GenerationAborted("generation aborted")
             urls = self._urls()
-            for u in [u for u in urls if u in self._down]:
-                # Back when its scheduler answers (the watchdog's probe: a hung server's HTTP front
-                # may still answer /health), or /health without the watchdog.
-                if await (self._alive(u) if self.stall_timeout is not None else self.server(u).health(timeout=2.0)):
+            now = time.monotonic()
+            for u in [u for u in urls if u in self._down and now >= self._next_probe.get(u, 0.0)]:
+                self._next_probe[u] = now + DOWN_PROBE_S  # one probe per down server at a time
+                if await self._back(u):
                     logger.warning("server %s answers again; back in rotation", u)
                     self._down.pop(u, None)  # concurrent picks may both see it recover
                     self._stalled.pop(u, None)
@@ -504,6 +516,30 @@ class RolloutClient:
                                    f"(all down: {sorted(self._down)})")
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.backoff_max)
+
+    async def _back(self, url: str) -> bool:
+        """A down server may serve again: its scheduler answers (the watchdog's probe: a hung
+        server's HTTP front may still answer /health; /health without the watchdog) and, when
+        `expected_version` is set, it holds those weights. A server restarted under the run holds
+        its initial checkpoint until the trainer's next push gives it the current weights."""
+        if not await (self._alive(url) if self.stall_timeout is not None else self.server(url).health(timeout=2.0)):
+            return False
+        expected = self.expected_version
+        if expected is None:
+            return True
+        try:
+            version = str((await self.server(url).get_model_info()).get("weight_version"))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return False
+        if version != expected:
+            if self._stale_said.get(url) != version:
+                self._stale_said[url] = version
+                logger.warning("server %s answers but holds weight version %s, not %s (restarted?): out of "
+                               "rotation until the trainer pushes it the current weights", url, version, expected)
+            return False
+        return True
 
     def _release(self, url: str) -> None:
         self._assigned[url] -= 1
@@ -610,6 +646,13 @@ class RolloutClient:
                 return out
             raise _Retryable(f"aborted by the server ({out['meta_info']['finish_reason']})",
                              server_down=False)
+        if self.expected_version is not None:
+            version = (out.get("meta_info") or {}).get("weight_version")
+            if version is not None and version_number(str(version)) == UNKNOWN_VERSION:
+                # Restarted (by the launcher's supervisor) since the trainer's last push, before
+                # this client noticed it go: its answer is not from the learner's weights.
+                raise _Retryable(f"answered under weight version {version!r}, which no push gave it "
+                                 "(restarted with its initial checkpoint)", server_down=True)
         return out
 
     async def _retrying(self, what: str, i: int, j: int, call: Callable[[str, int], Awaitable[Any]]) -> Any:

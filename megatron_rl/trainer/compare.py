@@ -122,7 +122,8 @@ def summarize(run_dir: Path, target: float = TARGET) -> dict:
     """A run's accuracy figures from its train accuracy per step: the first step whose 5-step
     trailing mean reaches `target`, the mean of the last 5 steps (final), the best step, collapse
     events; the eval's last mean@k; the mean train/inference mismatch."""
-    rows = [m for m in read_metrics(run_dir) if m["step"] >= 0]
+    # Training rows (an evaluation that ended beside training at the last step has a row of its own).
+    rows = [m for m in read_metrics(run_dir) if m["step"] >= 0 and "rollout/accuracy" in m]
     acc = [m["rollout/accuracy"] for m in rows]
     hit = next((m["step"] for m, a in zip(rows, smoothed(acc)) if a >= target), None)
     evals = [next(v for k, v in m.items() if k.startswith("eval/mean@")) for m in read_metrics(run_dir)

@@ -214,6 +214,11 @@ def validate(cfg: JobConfig) -> None:
     if e.timeout is not None and not 0 < e.timeout < t.rollout_wait_timeout:
         raise ValueError(f"eval.timeout={e.timeout}: seconds, more than 0 and less than trainer.rollout_wait_timeout="
                          f"{t.rollout_wait_timeout:g} (the other ranks wait that long for the evaluation)")
+    servers = len(r.server_urls) if r.server_urls else r.num_servers
+    if e.servers < 0 or (e.servers and e.servers >= servers):
+        raise ValueError(f"eval.servers={e.servers}: servers an evaluation holds beside training, fewer than the "
+                         f"{servers} rollout servers (at least one must serve training), or 0 to evaluate on all "
+                         "of them between steps")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server
@@ -305,7 +310,9 @@ class Trainer:
             # From here generation runs on a thread, up to trainer.max_staleness steps ahead.
             self._start_producer()
         if self.step == 0 and self.eval_prompts and self.rollouts is not None:
-            self.logger.log(-1, self.evaluate())  # the initial policy, as row "step -1"
+            initial = self.evaluate()
+            if initial:
+                self.logger.log(-1, initial)  # the initial policy, as row "step -1"
         while self.step < t.steps:
             self.ops.step_started()
             timer = Timer()
@@ -339,13 +346,18 @@ class Trainer:
             self.step += 1
             with timer("weight_sync"):
                 metrics |= self.publish()
+            beside = self.finished_eval()  # an evaluation beside training that has ended
             if self.eval_due():
+                if beside and self.step >= t.steps:  # the last row is the last evaluation's
+                    self.log_eval_row(beside)
+                    beside = {}
                 metrics |= self.evaluate()
-            self.log(metrics | timer.total())
+            self.log(metrics | beside | timer.total())
             decision = self.ops.between_steps(self.step, t.steps, t.save_every)
             if decision.save:
                 self.save()
             if decision.stop:
+                self.cut_eval()
                 self.ops.finish()  # the checkpoint is complete before the run says so
                 why = f" ({self.ops.why})" if decision.requeue and self.ops.why else ""
                 self.logger.message(f"[megatron-rl] {decision.stop}{why}: checkpoint at step {self.step} "
@@ -359,6 +371,7 @@ class Trainer:
         """A stop arrived while the step was generating: give its generation up and checkpoint the
         state after the last completed step (Operations.interrupt)."""
         self.interrupted = True
+        self.cut_eval()
         if self.feeder is not None:
             self.feeder.stop(abort=self.rollouts.abort_other_lanes, timeout=10)
         self.save()
@@ -788,8 +801,21 @@ class Trainer:
             self.step == self.cfg.trainer.steps or (e.every and self.step % e.every == 0))
 
     def evaluate(self) -> dict[str, float]:
-        """Rank 0 evaluates; the other ranks wait on the store (not in a collective), then get
-        the metrics."""
+        """The evaluation of the weights just pushed (version `self.step`). With eval.servers > 0
+        (not at the last step) rank 0 starts it beside training and returns {} (its metrics join
+        the row of the step it ends in: `finished_eval`); the other ranks go on at once. Otherwise,
+        and at the last step (after any evaluation still running), rank 0 evaluates on every
+        server while the other ranks wait on the store (not in a collective), then get the
+        metrics."""
+        if self.cfg.eval.servers and self.step < self.cfg.trainer.steps:
+            if self.ctx.rank == 0:
+                why = self.rollouts.start_eval(self.eval_prompts, self.step)
+                if why:
+                    self.logger.message(f"[megatron-rl] eval at step {self.step} skipped: {why}")
+            return {}
+        pending = self.finished_eval(wait=True)
+        if pending:
+            self.log_eval_row(pending)
         out = [None]
         multi = dist.is_initialized() and dist.get_world_size() > 1
         if multi and self.eval_signal is None:
@@ -808,6 +834,36 @@ class Trainer:
         if multi:
             dist.broadcast_object_list(out, src=0)
         return out[0]
+
+    def finished_eval(self, wait: bool = False) -> dict[str, float]:
+        """Rank 0: the metrics of an evaluation beside training that has ended (waiting for it
+        with `wait`), with eval/step, the version of the weights it evaluated; {} otherwise. A
+        failed one is reported and the run goes on."""
+        if self.rollouts is None or self.ctx.rank != 0 or not self.cfg.eval.servers:
+            return {}
+        done = self.rollouts.eval_result(wait=wait)
+        if done is None:
+            return {}
+        step, metrics, error = done
+        if error is not None:
+            self.logger.message(f"[megatron-rl] eval of step {step}'s weights failed beside training "
+                                f"({type(error).__name__}: {error}); training goes on")
+            return {"eval/failed": 1.0, "eval/step": float(step)}
+        return metrics | {"eval/step": float(step)}
+
+    def log_eval_row(self, metrics: dict[str, float]) -> None:
+        """Rank 0: an evaluation beside training that ended at the last step, in a row of its own
+        before the last training row (which holds the last step's evaluation)."""
+        self.history.append({"step": self.step - 1, **metrics})
+        self.logger.log(self.step - 1, metrics)
+
+    def cut_eval(self) -> None:
+        """Rank 0, the run stopping: an evaluation still running beside training is aborted."""
+        if self.rollouts is not None and self.ctx.rank == 0 and self.cfg.eval.servers:
+            if self.rollouts.eval_running():
+                self.logger.message("[megatron-rl] the evaluation running beside training is cut by the stop")
+                self.rollouts.abort_eval()
+                self.rollouts.eval_result(wait=True)
 
     def log(self, metrics: dict[str, float]) -> None:
         metrics["weight_version"] = float(self.weight_version)

@@ -36,6 +36,10 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+# eval/ keys that are not scores
+EVAL_BOOKKEEPING = {"eval/step", "eval/weight_version", "eval/failed"}
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
@@ -51,13 +55,15 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     for ax in axes[len(PANELS):]:
         ax.set_visible(False)
     for ax, (title, keys, prefix) in zip(axes, PANELS):
-        keys = list(keys) + sorted({k for r in rows for k in r if prefix and k.startswith(prefix)})
+        keys = list(keys) + sorted({k for r in rows for k in r if prefix and k.startswith(prefix)
+                                    and k not in EVAL_BOOKKEEPING})
         for k in keys:
             x, y = _series(rows, k)
             if k.startswith("eval/"):
-                # Eval after step s measures the weights of step s+1; the initial policy is row -1.
-                init = [r[k] for r in rows if r["step"] < 0 and k in r][:1]
-                x, y = [0] * len(init) + [s + 1 for s in x], init + y
+                # Eval after step s measures the weights of step s+1; the initial policy is row -1;
+                # an evaluation beside training (eval.servers) names its weights: eval/step.
+                pts = sorted((r.get("eval/step", r["step"] + 1), r[k]) for r in rows if k in r)
+                x, y = [p[0] for p in pts], [p[1] for p in pts]
             if x:
                 ax.plot(x, y, marker="o" if k.startswith("eval/") else None, ms=3, lw=1.2, label=k)
         ax.set_title(title, fontsize=10)

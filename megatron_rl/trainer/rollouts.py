@@ -48,6 +48,18 @@ from megatron_rl.weights.fp8 import ServedWeights
 from megatron_rl.weights.push import push_weights
 
 
+class _InRotation:
+    """The producers' server pool (RolloutClient's `urls()`, read at every pick): every server
+    but the excluded ones (held by an evaluation beside training)."""
+
+    def __init__(self, base, excluded):
+        self._base, self._excluded = base, excluded
+
+    def urls(self) -> list[str]:
+        excluded = self._excluded()
+        return [u for u in self._base() if u not in excluded]
+
+
 def server_dtype(cfg: JobConfig) -> str:
     if cfg.rollout.dtype != "auto":
         return cfg.rollout.dtype
@@ -98,6 +110,21 @@ class Rollouts:
         # response per sample.
         self.episode_fn = load_episode_fn(cfg.rollout.generate) if cfg.rollout.generate else None
         self._restarts_seen = 0
+        # Disaggregated servers (the launcher's supervisor restarts a dead one): those the last push
+        # reached and the version it gave them; a server that stops answering is left out of the
+        # pushes and taken back, with the current weights, at the first push after it answers.
+        self._pushed_to: Optional[list[str]] = None
+        self._live: Optional[list[str]] = None  # disaggregated servers that answered at the last push
+        self.weight_version: Optional[str] = None
+        # Evaluation beside training (eval.servers > 0; rank 0): the servers it holds at the
+        # evaluated step's weights (left out of pushes and of the producers' rotation), its thread
+        # and its outcome (step, metrics, error).
+        self._eval_hold: list[str] = []
+        self._excluded: frozenset = frozenset()
+        self._eval_thread: Optional[threading.Thread] = None
+        self._eval_out: Optional[tuple] = None
+        self._eval_started = 0.0
+        self._pinned: set = set()  # the evaluation's clients: they keep the version they started with
         r = cfg.rollout
         device = server_device(cfg)
         where = placement.check_placement(cfg, device)
@@ -137,7 +164,10 @@ class Rollouts:
             raise ValueError(f"rollout.placement=local serves from rank 0's node ({host}); the producer on "
                              f"{socket.gethostname()} cannot reach its servers: use "
                              "rollout.placement=disaggregated with rollout.server_urls on multi-node jobs")
-        self._servers = self.manager if self.manager else urls
+        # What the producers' clients see: every server but those held for an evaluation beside
+        # training (`start_eval`; the set reaches every rank with each weight push).
+        base = self.manager.urls if self.manager else (lambda: list(urls))
+        self._servers = _InRotation(base, lambda: self._excluded)
         # Each thread that samples (the producer's, rank 0's main thread for eval and pauses) has
         # its own client and event loop: aiohttp sessions and asyncio primitives are loop-bound.
         self._lanes = threading.local()
@@ -182,10 +212,14 @@ class Rollouts:
         if lane is None:
             r = self.cfg.rollout
             eos = self._eos_token_ids() if r.partial_rollouts else ()
-            client = RolloutClient(self._servers, request_timeout=r.request_timeout, stall_timeout=r.stall_timeout,
+            own = getattr(self._lanes, "urls", None)  # an evaluation's held servers
+            client = RolloutClient(own or self._servers, request_timeout=r.request_timeout, stall_timeout=r.stall_timeout,
                                    moe_topk=self.moe_topk,
                                    num_experts=self.num_experts, max_inflight_per_server=r.max_inflight_per_server,
                                    continue_aborted=r.partial_rollouts, eos_token_ids=eos)
+            client.expected_version = self.weight_version
+            if own:
+                self._pinned.add(client)
             lane = self._lanes.lane = (client, asyncio.new_event_loop())
             with self._lanes_lock:
                 self._all_lanes.append(lane)
@@ -219,6 +253,7 @@ class Rollouts:
         self._lanes.lane = None
         with self._lanes_lock:
             self._all_lanes.remove(lane)
+            self._pinned.discard(lane[0])
         try:
             lane[1].run_until_complete(lane[0].close())
         finally:
@@ -229,8 +264,14 @@ class Rollouts:
         stops early): its running calls raise GenerationAborted."""
         mine = getattr(self._lanes, "lane", None)
         with self._lanes_lock:
-            others = [lane for lane in self._all_lanes if lane is not mine]
-        for client, loop in others:
+            others = {lane[0] for lane in self._all_lanes if lane is not mine}
+        self.abort_other_lanes_of(others, timeout)
+
+    def abort_other_lanes_of(self, clients, timeout: float = 30.0) -> None:
+        """Abort the generation of these clients (other threads' lanes)."""
+        with self._lanes_lock:
+            lanes = [lane for lane in self._all_lanes if lane[0] in clients]
+        for client, loop in lanes:
             if loop.is_running():
                 try:
                     asyncio.run_coroutine_threadsafe(client.abort(), loop).result(timeout)
@@ -250,11 +291,14 @@ class Rollouts:
     def _broadcast_control(self, method: str, **kwargs) -> None:
         import logging
 
+        urls = self._servers.urls()  # in rotation: a server held for an evaluation is not paused
+        client = self.client
+
         async def call():
-            return await asyncio.gather(*(getattr(s, method)(**kwargs) for s in self.client.servers()),
+            return await asyncio.gather(*(getattr(client.server(u), method)(**kwargs) for u in urls),
                                         return_exceptions=True)
 
-        for url, out in zip(self.urls(), self._run(call())):
+        for url, out in zip(urls, self._run(call())):
             if isinstance(out, BaseException):
                 logging.getLogger(__name__).warning("%s %s failed (%s); treating the server as down", url,
                                                     method, out)
@@ -418,27 +462,92 @@ class Rollouts:
                     "rollout/env_frac": with_env / n}
         return out
 
-    def evaluate(self, prompts: list[Prompt], step: int) -> dict[str, float]:
-        """Rank 0: mean@k and pass@k on held-out prompts (episodes of rollout.generate when set)."""
+    def evaluate(self, prompts: list[Prompt], step: int, versions: bool = False) -> dict[str, float]:
+        """Rank 0: mean@k and pass@k on held-out prompts (episodes of rollout.generate when set).
+        `versions`: also eval/weight_version, the weight version every evaluated token came from
+        (-1 if they differ)."""
         e = self.cfg.eval
         sampling = self.sampling(step, e.temperature, e.max_new_tokens or self.cfg.rollout.max_new_tokens, e.top_p,
                                  salt=999)
         deadline = e.timeout if self.episode_fn is None else None
-        _, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+        groups, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+        seen = {int(v) for g in groups for rec in g if rec.versions is not None for v in rec.versions.unique()}
         missing = int(metrics.get("missing_samples", 0))
         if missing:
             finished = sum(map(len, rewards))
             print(f"[megatron-rl] eval at step {step}: eval.timeout={e.timeout:g}s reached, {missing} of "
                   f"{len(prompts) * e.k} samples aborted; metrics over the {finished} that finished "
                   f"({sum(len(row) == e.k for row in rewards)} prompts complete)", flush=True)
-        return eval_metrics(rewards, e.k, missing)
+        out = eval_metrics(rewards, e.k, missing)
+        if versions:
+            out["eval/weight_version"] = float(seen.pop()) if len(seen) == 1 else -1.0
+        return out
+
+    # -- evaluation beside training (eval.servers > 0) --------------------------------------------
+    def start_eval(self, prompts: list[Prompt], step: int) -> Optional[str]:
+        """Rank 0, right after the push of `step`'s weights: evaluate them on a thread, on the last
+        eval.servers servers of this push, which keep these weights (no push reaches them, no
+        producer samples there once the next push tells every rank) until it ends. None when
+        started; else why not (nothing started)."""
+        k = self.cfg.eval.servers
+        if self._eval_thread is not None:  # (one that ended was collected by eval_result first)
+            return "the previous evaluation is still running"
+        if len(self._pushed_to or ()) <= k:
+            why = (" (the previous evaluation's servers hold older weights until the next push)"
+                   if self._eval_hold else "")
+            return (f"{len(self._pushed_to or ())} server(s) hold these weights{why}; eval.servers={k} would "
+                    "leave none to training")
+        hold = list(self._pushed_to[-self.cfg.eval.servers:])
+        self._eval_hold, self._eval_out, self._eval_started = hold, None, time.monotonic()
+        self._excluded = self._excluded | frozenset(hold)  # rank 0's own producer leaves them at once
+
+        def run() -> None:
+            self._lanes.urls = hold
+            try:
+                self._eval_out = (step, self.evaluate(prompts, step, versions=True), None)
+            except BaseException as e:  # noqa: BLE001 - reported by eval_result, never ends the run
+                self._eval_out = (step, None, e)
+            finally:
+                self.close_lane()
+
+        self._eval_thread = threading.Thread(target=run, name=f"eval-step{step}", daemon=True)
+        self._eval_thread.start()
+        return None
+
+    def eval_result(self, wait: bool = False) -> Optional[tuple[int, dict, Optional[BaseException]]]:
+        """Rank 0: (step, metrics or None, error or None) of a finished evaluation, once; None while
+        it runs (or waits for it with `wait`) and when there is none. Its servers rejoin at the
+        next push."""
+        t = self._eval_thread
+        if t is None or (t.is_alive() and not wait):
+            return None
+        t.join()
+        self._eval_thread = None
+        step, metrics, error = self._eval_out
+        if metrics is not None:
+            metrics["time/eval"] = time.monotonic() - self._eval_started
+        return step, metrics, error
+
+    def eval_running(self) -> bool:
+        return self._eval_thread is not None and self._eval_thread.is_alive()
+
+    def abort_eval(self) -> None:
+        """Rank 0: cut a running evaluation (the run stops): its requests are aborted."""
+        if self._eval_thread is not None and self._eval_thread.is_alive():
+            self.abort_other_lanes_of(self._pinned)
+            self._eval_thread.join(60)
+
+    def _release_eval_hold(self) -> None:
+        """Rank 0, before a push: servers held by an evaluation that has ended get this push."""
+        if self._eval_hold and (self._eval_thread is None or not self._eval_thread.is_alive()):
+            self._eval_hold = []
 
     # ------------------------------------------------------------------------------------------
     def _make_transport(self, learner):
         r = self.cfg.rollout
         # The update group's size comes from the servers' own tp_size (checked against
         # rollout.server_tp); a restarted server is asked again.
-        servers = placement.checked_endpoints(self.urls(), self.cfg)
+        servers = placement.checked_endpoints(self._pushed_to, self.cfg)
         if r.weight_sync == "distributed":
             from megatron_rl.weights.sync_distributed import DistributedWeightSync
 
@@ -460,8 +569,49 @@ class Rollouts:
             return DiskWeightSync(servers, Path(self.cfg.trainer.out_dir) / "weights_for_servers")
         raise ValueError(f"rollout.weight_sync={r.weight_sync!r}; valid: distributed, tensor, disk")
 
+    def _answering(self, wait_s: float) -> dict[str, str]:
+        """Rank 0, disaggregated: {url: weight version} of the configured servers that answer now;
+        with none answering, waits up to `wait_s` for one (a supervisor restarting them)."""
+        from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            out = {}
+            for url in self.cfg.rollout.server_urls:
+                try:
+                    out[url] = str(ServerEndpoint(url).get("/get_model_info", timeout=10.0).get("weight_version"))
+                except WeightSyncError:
+                    pass
+            if out or time.monotonic() > deadline:
+                return out
+            time.sleep(2.0)
+
+    def _refresh_fleet(self) -> bool:
+        """Rank 0, disaggregated: which servers answer (`_live`). True when one answers with another
+        version than the last push gave it (restarted in between: it lost the update group and its
+        weights), so the group must be formed again even if the push goes to the same servers."""
+        log = logging.getLogger(__name__)
+        answering = self._answering(wait_s=300.0)
+        if not answering:
+            raise RuntimeError(f"no rollout server answers (rollout.server_urls: {list(self.cfg.rollout.server_urls)}) "
+                               "after 300 s; see the servers' logs")
+        live = [u for u in self.cfg.rollout.server_urls if u in answering]
+        before, self._live = self._live, live
+        if before is not None:
+            for u in sorted(set(before) - set(live)):
+                log.warning("rollout server %s does not answer: pushing to the other %d; it is taken back, with "
+                            "the current weights, at the first push after it answers", u, len(live))
+            for u in sorted(set(live) - set(before)):
+                log.warning("rollout server %s answers again (weight version %s): it gets this push", u, answering[u])
+        restarted = [u for u in live if u in (self._pushed_to or ()) and answering[u] != self.weight_version]
+        for u in restarted:
+            log.warning("rollout server %s holds weight version %s, not %s: restarted since the last push; "
+                        "forming the update group again", u, answering[u], self.weight_version)
+        return bool(restarted)
+
     def sync_weights(self, learner, version: str) -> dict[str, float]:
-        """Collective over the learner ranks: send the learner's weights to every server."""
+        """Collective over the learner ranks: send the learner's weights to every server (every
+        one that answers, for disaggregated servers: `_refresh_fleet`)."""
         restarted = [0]
         if self.driver and self.manager is not None:
             # A server that died since the last push is restarted (and healthy) before this one:
@@ -469,6 +619,15 @@ class Rollouts:
             self.manager.restart_dead()
             restarted = [len(self.manager.restart_events) - self._restarts_seen]
             self._restarts_seen += restarted[0]
+        elif self.driver:  # disaggregated: the launcher's servers
+            restarted = [int(self._refresh_fleet())]
+        if self.driver:
+            # Every server that answers, but those an evaluation holds at older weights; the
+            # update group is formed again whenever that set changes.
+            self._release_eval_hold()
+            targets = [u for u in (self.manager.urls() if self.manager else self._live) if u not in self._eval_hold]
+            restarted[0] = restarted[0] or int(self.transport is not None and targets != self._pushed_to)
+            self._pushed_to = targets
         if self.driver and (self.transport is None or restarted[0]):
             # A restarted server lost the update group (and its weights): form it again.
             if self.transport is not None and hasattr(self.transport, "close"):
@@ -487,21 +646,40 @@ class Rollouts:
             except ServersUnreachable as e:
                 # A server died after the check above and before this push sent anything (the
                 # driver's export has not started: the other ranks wait in its first collective):
-                # restart it, form the update group again, push again.
-                if self.manager is None or attempt == 2:
+                # restart it (local) or leave it out (disaggregated), form the update group
+                # again, push again.
+                if attempt == 2:
                     raise
                 logging.getLogger(__name__).warning(
-                    "weight push %s: a server is gone (%s); restarting it and pushing again", version, e)
-                deadline = time.monotonic() + 30
-                while not self.manager.restart_dead() and time.monotonic() < deadline:
-                    time.sleep(0.2)  # the killed process is not reaped yet
-                self._restarts_seen = len(self.manager.restart_events)
+                    "weight push %s: a server is gone (%s); %s and pushing again", version, e,
+                    "restarting it" if self.manager else "leaving it out")
+                if self.manager is not None:
+                    deadline = time.monotonic() + 30
+                    while not self.manager.restart_dead() and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the killed process is not reaped yet
+                    self._restarts_seen = len(self.manager.restart_events)
+                else:
+                    self._refresh_fleet()
+                    self._pushed_to = [u for u in self._live if u not in self._eval_hold]
                 if hasattr(self.transport, "close"):
                     self.transport.close()
                 self.transport = self._make_transport(learner)
-        if dist.is_initialized():
-            dist.barrier()
+        # Out of the producers' rotation until a push reaches them: servers held by an evaluation,
+        # and those that did not answer (dead, or restarted and still starting).
+        held = [sorted(set(self.urls()) - set(self._pushed_to)) if self.driver else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(held, src=0)  # a small list; also the push's barrier
+        self._excluded = frozenset(held[0])
+        # Every server in rotation now holds `version`: a client takes a down one back only then.
+        self.weight_version = version
+        if self.producer:
+            with self._lanes_lock:
+                for client, _ in self._all_lanes:
+                    if client not in self._pinned:
+                        client.expected_version = version
         out = {"time/weight_sync": time.perf_counter() - start}
+        if self.driver and (self._live is not None or self._eval_hold):
+            out["rollout/servers_up"] = float(len(self._pushed_to))
         if stats:
             out["weight_sync/bytes"] = float(stats.get("bytes", 0))
         return out

@@ -229,8 +229,9 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     replies = json.loads((run / "rollout-rank0.json").read_text())
     assert list(replies) == [url] and len(replies[url]) == 4, replies
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
-    lines = calls.read_text().splitlines()  # only the server went through the rollout container
-    assert lines == ["python3 megatron_rl.rollout.launch_server --slurm-slot CUDA_DEVICE_MAX_CONNECTIONS=unset"], lines
+    lines = calls.read_text().splitlines()  # only the server (and its supervisor) went through the rollout container
+    assert lines == ["python3 megatron_rl.rollout.supervise --restarts CUDA_DEVICE_MAX_CONNECTIONS=unset",
+                     "python3 megatron_rl.rollout.launch_server --slurm-slot CUDA_DEVICE_MAX_CONNECTIONS=unset"], lines
 
 
 def served_requests(log: Path) -> list[dict]:
@@ -268,18 +269,51 @@ def finished(jobid: str, tmp_path: Path) -> tuple[dict, str]:
 
 
 COLLECTIVE_S, LATE_S = 12, 30
-# tiny_cpu's reward, except that one call on rank 1 (SLURM_PROCID; reward workers inherit it) sleeps.
+# tiny_cpu's reward, except that one call on rank 1 (SLURM_PROCID; reward workers inherit it) sleeps,
+# and rank 0 (which scores SAMPLES samples a step) SIGKILLs the server listening on KILL_PORT twice
+# (its supervisor restarts it): at its first call (step 0) and at its first call of step 1, once the
+# server answers again; at its first call of step 2 it waits until the server answers again.
 LATE_REWARD = """
-import os, time
+import os, time, urllib.request
+import psutil
 from megatron_rl.rewards.synthetic import exact_match
 
-def score(response, answer):
-    if os.environ.get("SLURM_PROCID") == "1":
+def once(name):
+    try:
+        os.close(os.open(os.path.join({tmp!r}, name), os.O_CREAT | os.O_EXCL))
+        return True
+    except FileExistsError:
+        return False
+
+def wait_up():
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
         try:
-            os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL))
-            time.sleep({late_s})
-        except FileExistsError:
-            pass
+            urllib.request.urlopen("http://127.0.0.1:{kill_port}/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+
+def kill():
+    for c in psutil.net_connections(kind="tcp"):
+        if c.laddr and c.laddr.port == {kill_port} and c.status == psutil.CONN_LISTEN and c.pid:
+            psutil.Process(c.pid).kill()
+
+def score(response, answer):
+    if os.environ.get("SLURM_PROCID") == "1" and once("late_once"):
+        time.sleep({late_s})
+    if os.environ.get("SLURM_PROCID") == "0" and {kill_port}:
+        fd = os.open(os.path.join({tmp!r}, "rank0_calls"), os.O_CREAT | os.O_APPEND | os.O_WRONLY)
+        os.write(fd, b"x")
+        os.close(fd)
+        calls = os.path.getsize(os.path.join({tmp!r}, "rank0_calls"))
+        if once("killed1"):
+            kill()
+        if calls > {samples} and once("killed2"):
+            wait_up()
+            kill()
+        if calls > 2 * {samples} and once("waited"):
+            wait_up()
     return exact_match(response, answer)
 """
 
@@ -291,25 +325,36 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     Rank 1's producer is late once, by LATE_S (its reward scores one sample slowly), past every
     process group's timeout (trainer.collective_timeout=COLLECTIVE_S): rank 0 waits for it on the
     c10d store (the producers' per-round StoreSum), saying so, and the step's all-reduces then run
-    together."""
+    together.
+
+    Server 1 is killed (SIGKILL) during the generation of step 0 and again in step 1. Its
+    supervisor restarts it on the same port each time. Restarted before the next push (step 0,
+    while rank 1 is late), it is found by its version and joins a new update group; still starting
+    at the push (step 1), it is left out: the trainer pushes to server 0 alone, and the first push
+    after it answers gives it the current weights. No client takes an answer from its initial
+    checkpoint (no step is generated again), and it serves step 3 on version 3. Every prompt of
+    every step is answered n times, each sample once (server 1's logged answers under its initial
+    weights, rejected by the clients, aside; steps 0 and 1 may log a sample on both servers: one
+    finished on server 1 as it was killed, its answer lost)."""
     from megatron_rl.models.tiny import make_tiny_checkpoint
 
-    steps, prompts, n = 3, 8, 4
+    steps, prompts, n = 4, 8, 4
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", vocab_size=128)  # tiny_cpu's model, for both sides
     run = tmp_path / "run"
     reward = tmp_path / "late_reward.py"
-    reward.write_text(LATE_REWARD.format(flag=str(tmp_path / "late_once"), late_s=LATE_S))
+    reward.write_text(LATE_REWARD.format(tmp=str(tmp_path), late_s=LATE_S, kill_port=30633,
+                                         samples=prompts * n // 2))
     jobid = submit(tmp_path, ["tiny_cpu", f"trainer.steps={steps}", f"rollout.prompts_per_step={prompts}",
                               f"rollout.n_samples={n}", "learner.micro_batch_size=16", "algorithm.mini_batches=1",
                               "eval.num_prompts=0", "trainer.plot=false", f"model.hf_path={ckpt}",
                               "rollout.weight_sync=distributed", f"data.reward={reward}:score",
-                              f"data.reward_timeout={LATE_S * 3}", f"trainer.collective_timeout={COLLECTIVE_S}",
+                              f"data.reward_timeout={LATE_S * 10}", f"trainer.collective_timeout={COLLECTIVE_S}",
                               "trainer.rollout_wait_log_every=4"],
-                   two_servers_env(ckpt, 30617), ("--nodes=2", "--ntasks-per-node=2"))
+                   two_servers_env(ckpt, 30617) | {"SERVER_MIN_UPTIME": "5"}, ("--nodes=2", "--ntasks-per-node=2"))
     info, log = finished(jobid, tmp_path)
     rank0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
     assert "data-parallel producers [1] not there yet" in rank0, rank0[-3000:]
-    assert (tmp_path / "late_once").exists()
+    assert all((tmp_path / f).exists() for f in ("late_once", "killed1", "killed2", "waited"))
     learner_node, rollout_node = hostnames(info["NodeList"])
     urls = ["http://127.0.0.1:30617", "http://127.0.0.1:30633"]  # ROLLOUT_PORT + 16k on NodeAddr 127.0.0.1
     # The dry-run printed the layout it checked; the script started exactly that.
@@ -320,30 +365,42 @@ def test_disaggregated_two_servers_rl_trainer(slurm_cluster, tmp_path):
     assert f"rollout servers' model: {ckpt}" in log, log
     logs = run / "logs" / f"{jobid}.0"
     assert_two_ranks(run, jobid, log)
-    served = {}
+    served, texts = {}, {}
     for k, url in enumerate(urls):
-        text = (logs / f"server{k}-{HOST}.log").read_text()
+        text = texts[k] = (logs / f"server{k}-{HOST}.log").read_text()
         assert f"server slot {k} of node {rollout_node}: CPU, TP 1, port {url[-5:]}" in text, text[-3000:]
         # Each server joined the update group of learner rank 0 + 2 servers x TP 1 at its own rank.
         assert f"rank_offset={k + 1}, rank={k + 1}, world_size=3" in text, text[-3000:]
         served[url] = served_requests(logs / f"server{k}-{HOST}.log")
+    # Server 1 died twice, its supervisor started it again each time, and it rejoined the pushes.
+    assert "server exited (signal 9)" in texts[1] and "restart 1 of 3 in 2s" in texts[1], texts[1][-3000:]
+    assert "restart 2 of 3 in 4s" in texts[1] and "megatron-rl supervisor" not in texts[0], texts[1][-3000:]
+    # Each restart was seen at a push: back already, by its version (possible after the first kill,
+    # while rank 1 is late), or not answering, then taken back at a later push (after the second).
+    gone = rank0.count(f"rollout server {urls[1]} does not answer: pushing to the other 1")
+    back = rank0.count(f"rollout server {urls[1]} answers again (weight version default): it gets this push")
+    found = rank0.count(f"rollout server {urls[1]} holds weight version default, not 0: restarted since the last push")
+    assert gone == back >= 1 and gone + found == 2, (gone, back, found, rank0[-5000:])
+    assert [r.get("rollout/servers_up") for r in rl_rows(run)][1] == 1.0  # the push after step 1
+    assert "records from other weights" not in rank0  # no client took an answer from its fresh start
     rows = rl_rows(run)
-    assert [r["step"] for r in rows] == list(range(steps)) and all(r["rollout/retries"] == 0 for r in rows), rows
+    assert [r["step"] for r in rows] == list(range(steps)), rows
     for step in range(steps):
         # Step s generates on weight version s (pushed after step s-1; "0" at the start).
         both = [r for reqs in served.values() for r in reqs if r["version"] == str(step)]
-        assert all(any(r["version"] == str(step) for r in reqs) for reqs in served.values()), \
-            f"step {step}: not every server answered on weight version {step}"
         # Sample j of prompt i carries seed base + i*n + j: each of the step's prompts x n seeds
-        # was answered exactly once, and the n answers of a prompt share its prompt ids.
+        # was answered, once from step 1 on, and the n answers of a prompt share its prompt ids.
         seeds = sorted(r["seed"] for r in both)
-        assert seeds == list(range(seeds[0], seeds[0] + prompts * n)), (step, seeds)
+        expect = list(range(seeds[0], seeds[0] + prompts * n))
+        assert (sorted(set(seeds)) if step <= 1 else seeds) == expect, (step, seeds)
         by_prompt = {}
         for r in both:
             by_prompt.setdefault((r["seed"] - seeds[0]) // n, set()).add(r["prompt"])
         assert len(by_prompt) == prompts and all(len(p) == 1 for p in by_prompt.values()), by_prompt
-    # Nothing was answered on a version the trainer did not ask for.
-    assert {r["version"] for reqs in served.values() for r in reqs} == {str(s) for s in range(steps)}
+    assert any(r["version"] == str(steps - 1) for r in served[urls[1]]), "server 1 did not serve after its restart"
+    # Nothing was answered on a version the trainer did not ask for, but server 1's fresh start.
+    assert {r["version"] for reqs in served.values() for r in reqs} - {"default"} == {str(s) for s in range(steps)}
+    assert not {r["version"] for r in served[urls[0]]} - {str(s) for s in range(steps)}
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
 
 

@@ -360,6 +360,7 @@ class FakeSGLang:
         self.payloads: dict[str, dict] = {}  # rid: the request
         self.refs: dict[str, dict] = {}  # rid: the reference arrays of the answer
         self.inflight = self.max_inflight = 0
+        self.version = "7"  # the weights it holds: default answers and /get_model_info
 
     async def generate(self, request):
         from aiohttp import web
@@ -385,7 +386,7 @@ class FakeSGLang:
         if self.body is not None:
             return web.Response(body=self.body, content_type="application/json")
         self.payloads[req["rid"]] = req
-        T, finish, version, last, *edit = self.script[key].pop(0) if self.script.get(key) else (7, "length", "7", None)
+        T, finish, version, last, *edit = self.script[key].pop(0) if self.script.get(key) else (7, "length", self.version, None)
         if T == 0:  # aborted while queued (tokenizer_manager._handle_abort_req): no token, no route
             meta = {"id": req["rid"], "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
                     "weight_version": version, "prompt_tokens": len(req["input_ids"]), "completion_tokens": 0,
@@ -411,6 +412,11 @@ class FakeSGLang:
 
         return web.json_response({})
 
+    async def model_info(self, request):
+        from aiohttp import web
+
+        return web.json_response({"weight_version": self.version})
+
     async def loads(self, request):  # the scheduler's answer (SGLang's /v1/loads)
         from aiohttp import web
 
@@ -427,6 +433,7 @@ class FakeSGLang:
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_get("/health", self.abort_request)  # a timed-out server is probed
         app.router.add_get("/v1/loads", self.loads)  # the stall watchdog's probe
+        app.router.add_get("/get_model_info", self.model_info)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -722,6 +729,37 @@ def test_a_hung_server_is_found_by_its_silence_and_its_requests_finish_elsewhere
     assert 1.0 < wall < 4, wall
     with pytest.raises(ValueError, match="stall_timeout"):
         RolloutClient(["http://x"], stall_timeout=0)
+
+
+def test_a_restarted_server_serves_again_only_with_the_pushed_weights():
+    """Server 1 was restarted (the launcher's supervisor) after the trainer's push of version "7"
+    and before the client saw it go: it holds its initial checkpoint ("default"). Its answers are
+    retried on server 0 and it is marked down; while it still holds "default" the probe keeps it
+    out; once it holds "7" (the trainer's next push) it serves again."""
+    fresh, restarted = FakeSGLang(delay=0.05), FakeSGLang(delay=0.05)
+    restarted.version = "default"
+
+    async def go():
+        async with fresh, restarted:
+            async with RolloutClient([fresh.url, restarted.url], backoff_initial=0.05) as client:
+                client.expected_version = "7"
+                first = await client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=7), n=6)
+                down_after_first = restarted.url in client._down
+                await asyncio.sleep(client_mod.DOWN_PROBE_S)
+                second = await client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=7), n=4)
+                n_restarted = len(restarted.requests)
+                restarted.version = "7"  # the push reached it
+                await asyncio.sleep(client_mod.DOWN_PROBE_S)
+                third = await client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=7), n=4)
+                return first, second, third, down_after_first, n_restarted, client
+
+    first, second, third, down_after_first, n_restarted, client = asyncio.run(go())
+    for out, n in ((first, 6), (second, 4), (third, 4)):
+        assert [r.sample_index for r in out[0]] == list(range(n))  # each sample once
+        assert {str(r.weight_version) for r in out[0]} == {"7"}
+    assert down_after_first and n_restarted == 3  # 3 first tries there, none while it held "default"
+    assert all("weight version 'default', which no push gave it" in e.reason for e in client.retry_events)
+    assert len(restarted.requests) > 3 and restarted.url not in client._down  # back in rotation
 
 
 def test_generate_until_a_deadline_returns_what_finished_and_aborts_the_rest():
