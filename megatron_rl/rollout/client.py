@@ -12,7 +12,9 @@ key is ever produced twice — whatever happens to the servers:
   servers on the same port) and, once the trainer has pushed weights (`expected_version`), holds
   the version of the last push: a restarted server holds its initial checkpoint until the next
   push. An answer under a version no push gave (a server restarted before this client saw it go)
-  is retried elsewhere and marks the server down the same way;
+  is retried elsewhere and marks the server down the same way. Both only while another server is
+  up: with none, a server with other weights serves, and its records carry their versions (the
+  trainer then pushes and generates the step again);
 - a sample that the server aborted without us asking (e.g. `/pause_generation` in abort mode
   around a weight update) is retried the same way, without marking the server down — unless the
   client continues aborted samples (`continue_aborted`, partial rollouts): then the tokens the
@@ -534,12 +536,22 @@ class RolloutClient:
         except Exception:
             return False
         if version != expected:
+            if not self._others_up(url):
+                # No server holds the pushed weights (one server, or all restarted): serving from
+                # other weights beats waiting for a push that needs this generation to finish. The
+                # records say which weights (versions); the trainer pushes and generates again.
+                logger.warning("server %s holds weight version %s, not %s, and no other server is up: back in "
+                               "rotation (its records carry their version)", url, version, expected)
+                return True
             if self._stale_said.get(url) != version:
                 self._stale_said[url] = version
                 logger.warning("server %s answers but holds weight version %s, not %s (restarted?): out of "
                                "rotation until the trainer pushes it the current weights", url, version, expected)
             return False
         return True
+
+    def _others_up(self, url: str) -> bool:
+        return any(u != url and u not in self._down for u in self._urls())
 
     def _release(self, url: str) -> None:
         self._assigned[url] -= 1
@@ -648,7 +660,8 @@ class RolloutClient:
                              server_down=False)
         if self.expected_version is not None:
             version = (out.get("meta_info") or {}).get("weight_version")
-            if version is not None and version_number(str(version)) == UNKNOWN_VERSION:
+            if (version is not None and version_number(str(version)) == UNKNOWN_VERSION
+                    and self._others_up(url)):
                 # Restarted (by the launcher's supervisor) since the trainer's last push, before
                 # this client noticed it go: its answer is not from the learner's weights.
                 raise _Retryable(f"answered under weight version {version!r}, which no push gave it "

@@ -214,8 +214,9 @@ def validate(cfg: JobConfig) -> None:
     if e.timeout is not None and not 0 < e.timeout < t.rollout_wait_timeout:
         raise ValueError(f"eval.timeout={e.timeout}: seconds, more than 0 and less than trainer.rollout_wait_timeout="
                          f"{t.rollout_wait_timeout:g} (the other ranks wait that long for the evaluation)")
-    servers = len(r.server_urls) if r.server_urls else r.num_servers
-    if e.servers < 0 or (e.servers and e.servers >= servers):
+    # The launcher passes a disaggregated layout's servers (rollout.server_urls) at launch.
+    servers = len(r.server_urls) if r.server_urls else None if r.placement == "disaggregated" else r.num_servers
+    if e.servers < 0 or (e.servers and servers is not None and e.servers >= servers):
         raise ValueError(f"eval.servers={e.servers}: servers an evaluation holds beside training, fewer than the "
                          f"{servers} rollout servers (at least one must serve training), or 0 to evaluate on all "
                          "of them between steps")

@@ -762,6 +762,24 @@ def test_a_restarted_server_serves_again_only_with_the_pushed_weights():
     assert len(restarted.requests) > 3 and restarted.url not in client._down  # back in rotation
 
 
+def test_with_no_other_server_up_a_restarted_one_serves_with_its_version_recorded():
+    """The only server holds its initial checkpoint: waiting for a push would wait for this very
+    generation, so it serves, and its records say the weights were not the pushed ones (the
+    trainer pushes and generates the step again)."""
+    only = FakeSGLang(delay=0.01)
+    only.version = "default"
+
+    async def go():
+        async with only:
+            async with RolloutClient([only.url], backoff_initial=0.05) as client:
+                client.expected_version = "7"
+                return await client.generate(PROMPTS[:1], SamplingParams(max_new_tokens=7), n=3), client
+
+    out, client = asyncio.run(go())
+    assert [r.sample_index for r in out[0]] == [0, 1, 2] and not client.retry_events
+    assert all(str(r.weight_version) == "default" for r in out[0])
+
+
 def test_generate_until_a_deadline_returns_what_finished_and_aborts_the_rest():
     """eval.timeout's generation (Rollouts.evaluate): sample (0, 1) is still decoding at the 0.5 s
     deadline: the other samples come back by prompt and sample index, that one is counted missing,

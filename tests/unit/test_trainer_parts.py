@@ -471,6 +471,8 @@ def test_padding_routes_spread_evenly_over_experts():
     ("rollout.max_inflight_per_server=0", "rollout.max_inflight_per_server=0 must be >= 1"),
     ("learner.max_tokens_per_micro_batch=-5", "learner.max_tokens_per_micro_batch=-5; valid: 0"),
     ("trainer.rollout_wait_timeout=0", "trainer.rollout_wait_timeout=0.0 must be > 0"),
+    ("eval.servers=1", r"eval.servers=1: servers an evaluation holds beside training, fewer than the 1 rollout"),
+    ("eval.servers=-1", "eval.servers=-1: servers an evaluation holds"),
 ])
 def test_data_path_settings_are_checked(override, message):
     from megatron_rl.trainer.loop import validate
