@@ -86,15 +86,31 @@ def is_operational(key: str) -> bool:
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in OPERATIONAL)
 
 
+def schema_defaults() -> dict[str, Any]:
+    """Every key's default in the schema, flattened (interpolations unresolved)."""
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.schema import JobConfig
+
+    return flatten(OmegaConf.to_container(OmegaConf.structured(JobConfig), resolve=False))
+
+
 def differences(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(experiment differences, operational differences) as "key: old -> new" lines."""
+    """(experiment differences, operational differences) as "key: old -> new" lines. A key the
+    old configuration lacks (added to the schema after it was written) whose new value is the
+    schema's default is no difference: a new key's default is what the code did before it."""
     a, b = flatten(old), flatten(new)
     missing = object()
+    defaults = None
     changed, operational = [], []
     for key in sorted(a.keys() | b.keys()):
         va, vb = a.get(key, missing), b.get(key, missing)
         if va == vb:
             continue
+        if va is missing:
+            defaults = schema_defaults() if defaults is None else defaults
+            if key in defaults and defaults[key] == vb:
+                continue
         line = f"{key}: {'(absent)' if va is missing else va!r} -> {'(absent)' if vb is missing else vb!r}"
         (operational if is_operational(key) else changed).append(line)
     return changed, operational

@@ -64,6 +64,13 @@ def test_experiment_keys_and_operational_keys():
         "trainer.steps", "trainer.out_dir", "rollout.server_urls", "eval.every", "data.reward_workers"}
     assert "optim.lr: 0.001 -> 0.5" in changed
     assert differences(a, as_dict(job("runs/x"))) == ([], [])
+    # A configuration written before a key existed: the key at its default is no difference (the
+    # default is what the code did before); set otherwise, it is one.
+    old = as_dict(job("runs/x"))
+    del old["learner"]["loss_kernel"]
+    assert differences(old, a) == ([], [])
+    assert differences(old, as_dict(job("runs/x", "learner.loss_kernel=triton"))) == (
+        ["learner.loss_kernel: '(absent)' -> 'triton'"], [])
 
 
 def test_finished_run_has_nothing_to_do_and_starts_nothing(tmp_path, capsys, no_server):
