@@ -478,9 +478,13 @@ class Trainer:
                     agree.fail(f"step {target}: {type(e).__name__}: {e}")
                 raise
 
+        # Partial rollouts without dynamic sampling: the next admitted target starts in the slots
+        # the current one's tail frees (trainer/producer.py, overlap).
+        r = self.cfg.rollout
         self.feeder = Producer(make, stream,
                                self.cfg.trainer.max_staleness, last_target=self.cfg.trainer.steps - 1,
-                               on_exit=self.rollouts.close_lane)
+                               on_exit=self.rollouts.close_lane,
+                               overlap=r.partial_rollouts and not r.dynamic_sampling)
         self.feeder.start(self.step, published=self.step, saved=saved)
 
     def _make_share(self, target: int, stream: PromptStream, agree) -> tuple[RolloutBatch, dict]:

@@ -24,6 +24,15 @@ while the learner's collectives do.
 Checkpoints save the complete queued shares (`snapshot`), each with the prompt-stream position
 after it; a resumed run queues them again and generates from the next target, so no prompt is
 lost or duplicated (`Trainer.save`).
+
+`overlap` (partial rollouts without dynamic sampling): the next admitted target starts, on a
+worker thread of its own, as soon as the target being made has drawn its prompts, so its requests
+fill the slots the other's tail frees (at most two targets in the making). Each target draws all
+its prompts at once, in target order, and its share records the stream position right after its
+own draws; the gate, the versions and the order in which `get` hands shares out are unchanged.
+Without it (drain mode, dynamic sampling) targets are made one after the other: a drain-mode push
+waits for every admitted target, so there is nothing to overlap with, and dynamic sampling draws
+again mid-target.
 """
 
 from __future__ import annotations
@@ -59,18 +68,23 @@ class Producer:
 
     def __init__(self, produce: Callable[[int, PromptStream], tuple[object, dict]], stream: PromptStream,
                  max_staleness: int, last_target: Optional[int] = None, name: str = "rollout-producer",
-                 on_exit: Optional[Callable[[], None]] = None):
+                 on_exit: Optional[Callable[[], None]] = None, overlap: bool = False):
         if max_staleness < 0:
             raise ValueError(f"trainer.max_staleness={max_staleness}: must be >= 0 (weight versions a "
                              "sample may lag the learner)")
         self._produce, self.stream, self.k = produce, stream, int(max_staleness)
         self._name, self._on_exit = name, on_exit
+        self._on_worker_exit: Optional[Callable[[], None]] = on_exit  # each worker closes what it opened
+        self.before_worker: Optional[Callable[[], None]] = None  # called before a worker starts (a virtual clock)
         self.last_target = last_target  # no target after it is made (the run's last step)
         self._cond = threading.Condition()
         self._queue: dict[int, StepShare] = {}
         self._next = 0  # the next target the thread makes
         self._published = -1
-        self._busy: Optional[int] = None  # the target being made
+        self._busy: set[int] = set()  # the targets being made
+        self._overlap = bool(overlap)
+        self._drawn: set[int] = set()  # targets being made that have drawn their prompts
+        self._workers: list[threading.Thread] = []
         self._error: Optional[BaseException] = None
         self._stopping = False
         self._epoch = 0
@@ -104,7 +118,7 @@ class Producer:
         with self._cond:
             while target not in self._queue:
                 self._raise_if_failed()
-                if self._next > target and self._busy != target:
+                if self._next > target and target not in self._busy:
                     raise RuntimeError(f"producer: share of step {target} was taken already or never made "
                                        f"(next target {self._next})")
                 if interrupt is not None and interrupt():
@@ -148,12 +162,13 @@ class Producer:
         early, e.g. on SIGTERM, need not wait for generation it will not train on)."""
         with self._cond:
             self._stopping = True
-            busy = self._busy is not None
+            busy = bool(self._busy)
             self._cond.notify_all()
         if busy and abort is not None:
             abort()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        for t in [self._thread, *self._workers]:
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout)
 
     # -- thread ---------------------------------------------------------------------------------
     def _admitted(self) -> bool:
@@ -162,7 +177,16 @@ class Producer:
                 and (self.last_target is None or self._next <= self.last_target))
 
     def _idle(self) -> bool:
-        return self._busy is None and (self._stopping or not self._admitted() or self._error is not None)
+        return not self._busy and (self._stopping or not self._admitted() or self._error is not None)
+
+    def _may_start(self) -> bool:
+        """Whether the next target may start now (under the lock): admitted, and nothing in the
+        making, or (overlap) one target in the making that has drawn its prompts."""
+        if not self._admitted():
+            return False
+        if not self._busy:
+            return True
+        return self._overlap and len(self._busy) == 1 and self._busy <= self._drawn
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -173,32 +197,74 @@ class Producer:
         try:
             while True:
                 with self._cond:
-                    while not self._stopping and not self._admitted():
+                    while not self._stopping and self._error is None and not self._may_start():
                         self._cond.wait()
-                    if self._stopping:
+                    if self._stopping or self._error is not None:
                         return
                     t, epoch = self._next, self._epoch
-                    self._busy = t
-                try:
-                    batch, metrics = self._produce(t, self.stream)
-                    share = StepShare(t, batch, metrics, self.stream.state_dict(), epoch)
-                finally:
-                    with self._cond:
-                        self._busy = None
-                        self._cond.notify_all()
-                with self._cond:
-                    if epoch == self._epoch:  # a restart during the target discards it
-                        self._queue[t] = share
-                        self._next = t + 1
-                    self._cond.notify_all()
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()/drain()
-            with self._cond:
-                if not self._stopping:  # an aborted target of a stopping producer is no error
-                    self._error = e
-                self._cond.notify_all()
+                    self._busy.add(t)
+                    self._next = t + 1
+                if self._overlap:
+                    w = threading.Thread(target=self._make, args=(t, epoch, True), name=f"{self._name}-t{t}",
+                                         daemon=True)
+                    self._workers = [x for x in self._workers if x.is_alive()] + [w]
+                    if self.before_worker is not None:
+                        self.before_worker()
+                    w.start()
+                else:
+                    self._make(t, epoch, False)
         finally:
             if self._on_exit is not None:
                 self._on_exit()
+
+    def _make(self, t: int, epoch: int, worker: bool) -> None:
+        """Make target t's share (on the producer thread, or a worker of its own with overlap)."""
+        try:
+            stream = _DrawOnce(self.stream, t, self._on_drawn) if worker else self.stream
+            batch, metrics = self._produce(t, stream)
+            share = StepShare(t, batch, metrics, stream.state_dict(), epoch)
+            with self._cond:
+                if epoch == self._epoch:  # a restart during the target discards it
+                    self._queue[t] = share
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer by get()/drain()
+            with self._cond:
+                if not self._stopping and epoch == self._epoch:  # a stopped target is no error
+                    self._error = e
+        finally:
+            with self._cond:
+                self._busy.discard(t)
+                self._drawn.discard(t)
+                self._cond.notify_all()
+            if worker and self._on_worker_exit is not None:
+                self._on_worker_exit()
+
+    def _on_drawn(self, t: int) -> None:
+        with self._cond:
+            self._drawn.add(t)
+            self._cond.notify_all()
+
+
+class _DrawOnce:
+    """A target's view of the prompt stream with overlap: it draws once (the next target draws
+    after it), and its position is the stream's right after those draws."""
+
+    def __init__(self, stream: PromptStream, target: int, on_drawn: Callable[[int], None]):
+        self._stream, self._target, self._on_drawn = stream, target, on_drawn
+        self._position: Optional[dict] = None
+
+    def take(self, n: int):
+        if self._position is not None:
+            raise RuntimeError(f"producer: target {self._target} drew prompts twice; overlapping targets "
+                               "need one draw per target (no dynamic sampling)")
+        out = self._stream.take(n)
+        self._position = self._stream.state_dict()
+        self._on_drawn(self._target)
+        return out
+
+    def state_dict(self) -> dict:
+        if self._position is None:
+            raise RuntimeError(f"producer: target {self._target} drew no prompts")
+        return self._position
 
 
 class StoreSum:

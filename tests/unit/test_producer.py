@@ -189,8 +189,73 @@ def test_stop_aborts_the_target_being_made():
 
     p = Producer(produce, stream(), 1).start(0, published=0)
     p.get(0)
-    wait_until(lambda: p._busy == 1)
+    wait_until(lambda: 1 in p._busy)
     start = time.monotonic()
     p.stop(abort=cut.set)
     assert time.monotonic() - start < 5 and not p._thread.is_alive()
     assert p.snapshot() == []  # no error raised, nothing queued
+
+
+def test_overlap_starts_the_next_target_once_the_current_one_has_drawn():
+    """overlap (partial rollouts): with k = 1 targets 0 and 1 are both admitted at version 0; target
+    1 starts as soon as target 0 has drawn its prompts and runs beside it (never more than two;
+    target 2 waits for version 1). Draws stay in target order, each share's position is the
+    stream's right after its own draws (as made one after the other), shares come out in order
+    whichever finishes first. Without overlap, target 1 waits for target 0 to finish."""
+    release = {t: threading.Event() for t in range(4)}
+    seen, both = [], threading.Event()
+    p = Producer(lambda target, s: produce(target, s), stream(), 1, last_target=3, overlap=True)
+
+    def produce(target, s):
+        drawn = [q.ids[0] for q in s.take(3)]
+        seen.append(target)
+        if len(p._busy) == 2:
+            both.set()
+        assert release[target].wait(10)
+        return drawn, {}
+
+    p.start(0, published=0)
+    assert both.wait(5) and sorted(p._busy) == [0, 1]
+    time.sleep(0.1)
+    assert seen == [0, 1]  # target 2 is not admitted before version 1
+    release[1].set()  # the later target finishes first
+    wait_until(lambda: p._busy == {0})
+    release[0].set()
+    s0, s1 = p.get(0), p.get(1)
+    ref = stream()
+    first, after_first = [q.ids[0] for q in ref.take(3)], ref.state_dict()
+    second, after_second = [q.ids[0] for q in ref.take(3)], ref.state_dict()
+    assert (s0.batch, s1.batch) == (first, second)
+    assert (s0.position, s1.position) == (after_first, after_second)
+    release[2].set(), release[3].set()
+    p.published(1)
+    assert p.get(2).batch == [q.ids[0] for q in ref.take(3)]
+    p.stop()
+
+    # Without overlap: one target at a time.
+    started = []
+
+    def one_at_a_time(target, s):
+        started.append((target, sorted(q._busy)))
+        s.take(3)
+        time.sleep(0.05)
+        return target, {}
+
+    q = Producer(lambda target, s: one_at_a_time(target, s), stream(), 1, last_target=1)
+    q.start(0, published=0)
+    assert [q.get(t).batch for t in (0, 1)] == [0, 1]
+    assert started == [(0, [0]), (1, [1])]
+    q.stop()
+
+
+def test_overlap_refuses_a_second_draw():
+    """A target that draws twice (dynamic sampling) cannot overlap: its share fails, naming why."""
+    def produce(target, s):
+        s.take(2)
+        s.take(2)
+        return target, {}
+
+    p = Producer(produce, stream(), 1, last_target=0, overlap=True).start(0, published=0)
+    with pytest.raises(ProducerStopped, match="drew prompts twice"):
+        p.get(0)
+    p.stop()
