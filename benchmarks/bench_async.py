@@ -57,8 +57,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-CONFIGS = [  # name, max_staleness, partial_rollouts
-    ("sync", 0, False), ("k1", 1, False), ("k2", 2, False), ("k1+partial", 1, True), ("k2+partial", 2, True)]
+CONFIGS = [  # name, max_staleness, partial_rollouts, overlap (the trainer's: partial rollouts)
+    ("sync", 0, False, False), ("k1", 1, False, False), ("k2", 2, False, False),
+    ("k1+partial (one target at a time)", 1, True, False), ("k2+partial (one target at a time)", 2, True, False),
+    ("k1+partial", 1, True, True), ("k2+partial", 2, True, True)]
+# What the trainer runs (with partial rollouts the producer always overlaps): the cpu mode's runs.
+REAL = [(name, k, partial) for name, k, partial, overlap in CONFIGS if overlap == partial]
 
 
 # ============================================================================ virtual time
@@ -117,8 +121,14 @@ class VirtualClock:
             self._running.add(who)
 
     def retire(self) -> None:
-        """The calling thread leaves (the producer thread's on_exit)."""
-        self.block()
+        """The calling thread leaves (the producer's threads' on_exit). Its ident is forgotten:
+        a thread started later may get the same ident and must be seen as new."""
+        with self._m:
+            me = threading.get_ident()
+            self._see(me)
+            self._running.discard(me)
+            self._wake.pop(me, None)
+            self._advance()
 
     def sleep(self, dt: float, cancel=None) -> bool:
         """Wait dt virtual seconds; True if `interrupt`ed before (or `cancel()` already true)."""
@@ -194,28 +204,60 @@ class Request:
 
 class Fleet:
     """The rollout servers as one pool of `slots` sequences decoding in lock-step (see the module
-    docstring). `generate` runs on the producer thread; `pause`/`resume`/`set_version` come from
-    the learner."""
+    docstring), driven by a thread of its own: `generate` (on the producer's threads: two targets
+    at once with overlap) queues its requests and waits for them; every caller's requests share the
+    same slots. `pause`/`resume`/`set_version` come from the learner."""
 
     def __init__(self, clock: VirtualClock, slots: int, tau: float, beta: float, prefill_rate: float):
         self.clock, self.slots, self.tau, self.beta, self.prefill_rate = clock, slots, tau, beta, prefill_rate
         self.cv = VCondition(clock)
         self.version = 0
         self.paused = False
-        self.busy = False
+        self.stopped = False
+        self.queue: deque = deque()
+        self.running: list[tuple[float, int, Request]] = []  # heap (finish position, seq, request)
+        self.left: dict[int, list[int]] = {}  # id(request) -> its generate call's count of unfinished requests
+        self.arrived = False  # new requests while decoding: the next decode step takes them
         self.thread: int | None = None
         self.log: list[tuple[float, float, int, str]] = []  # (t0, t1, running, decode|stall|paused)
+        clock.expect_thread()
+        self._thread = threading.Thread(target=self._drive, daemon=True, name="fleet")
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue or self.running)
 
     def step_time(self, n: int) -> float:
         return self.tau * (self.beta + (1 - self.beta) * n / self.slots)
 
     def generate(self, reqs: list[Request]) -> None:
+        left = [len(reqs)]
+        with self.cv:
+            for r in reqs:
+                self.left[id(r)] = left
+            self.queue.extend(reqs)
+            self.arrived = True
+            self.cv.notify_all()
+        if self.thread is not None and len(self.running) < self.slots:
+            self.clock.interrupt(self.thread)  # free slots: they start at this decode step
+        with self.cv:
+            while left[0]:
+                self.cv.wait()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify_all()
+        if self.thread is not None:
+            self.clock.interrupt(self.thread)
+        self.clock.block()
+        self._thread.join()
+        self.clock.unblock()
+
+    def _drive(self) -> None:
         clock = self.clock
         self.thread = threading.get_ident()
-        with self.cv:
-            self.busy = True
-        queue = deque(reqs)
-        running: list[tuple[float, int, Request]] = []  # heap (finish position, seq, request)
         start: dict[int, float] = {}  # id(request) -> position when it (re)started
         pos, seq, stall = 0.0, 0, 0.0  # tokens every running sequence has made since the start
 
@@ -225,42 +267,56 @@ class Fleet:
                 r.segments.append((self.version, made))
                 r.done += made
 
-        while queue or running:
-            with self.cv:
-                if self.paused:
-                    cut = [r for _, _, r in sorted(running)]
-                    for r in cut:
-                        close(r, pos)
-                        r.cut = r.cut or r.done > 0
-                    running.clear()
-                    queue.extendleft(reversed(cut))  # the client re-sends them first
-                    t0 = clock.now
-                    while self.paused:
+        try:
+            while True:
+                with self.cv:
+                    while not self.stopped and not self.busy:
                         self.cv.wait()
-                    self.log.append((t0, clock.now, 0, "paused"))
-                    stall = sum(r.prompt + r.done for r in cut if r.done > 0) / self.prefill_rate
-            while queue and len(running) < self.slots:
-                r = queue.popleft()
-                start[id(r)] = pos
-                seq += 1
-                heapq.heappush(running, (pos + r.length - r.done, seq, r))
-            t0 = clock.now
-            if stall > 0:
-                interrupted = clock.sleep(stall, cancel=lambda: self.paused)
-                self.log.append((t0, clock.now, 0, "stall"))
-                stall = 0.0 if not interrupted else stall - (clock.now - t0)
-                continue
-            n = len(running)
-            dt_tok = self.step_time(n)
-            finish = running[0][0]
-            interrupted = clock.sleep((finish - pos) * dt_tok, cancel=lambda: self.paused)
-            self.log.append((t0, clock.now, n, "decode"))
-            pos = finish if not interrupted else min(finish, pos + (clock.now - t0) / dt_tok)
-            while running and running[0][0] <= pos + 1e-9:
-                _, _, r = heapq.heappop(running)
-                close(r, r.length - r.done + start[id(r)])
-        with self.cv:
-            self.busy = False
+                    if self.stopped:
+                        return
+                    self.arrived = False
+                    if self.paused:
+                        cut = [r for _, _, r in sorted(self.running)]
+                        for r in cut:
+                            close(r, pos)
+                            r.cut = r.cut or r.done > 0
+                        self.running.clear()
+                        self.queue.extendleft(reversed(cut))  # the clients re-send them first
+                        t0 = clock.now
+                        while self.paused:
+                            self.cv.wait()
+                        self.log.append((t0, clock.now, 0, "paused"))
+                        stall = sum(r.prompt + r.done for r in cut if r.done > 0) / self.prefill_rate
+                    while self.queue and len(self.running) < self.slots:
+                        r = self.queue.popleft()
+                        start[id(r)] = pos
+                        seq += 1
+                        heapq.heappush(self.running, (pos + r.length - r.done, seq, r))
+                t0 = clock.now
+                if stall > 0:
+                    interrupted = clock.sleep(stall, cancel=lambda: self.paused or self.stopped)
+                    self.log.append((t0, clock.now, 0, "stall"))
+                    stall = 0.0 if not interrupted else stall - (clock.now - t0)
+                    continue
+                n = len(self.running)
+                dt_tok = self.step_time(n)
+                finish = self.running[0][0]
+                interrupted = clock.sleep((finish - pos) * dt_tok,
+                                          cancel=lambda: self.paused or self.stopped or self.arrived)
+                self.log.append((t0, clock.now, n, "decode"))
+                pos = finish if not interrupted else min(finish, pos + (clock.now - t0) / dt_tok)
+                with self.cv:
+                    woke = False
+                    while self.running and self.running[0][0] <= pos + 1e-9:
+                        _, _, r = heapq.heappop(self.running)
+                        close(r, r.length - r.done + start[id(r)])
+                        left = self.left.pop(id(r))
+                        left[0] -= 1
+                        woke = woke or left[0] == 0
+                    if woke:
+                        self.cv.notify_all()
+        finally:
+            clock.retire()
 
     def pause(self) -> bool:
         """Cut generation in flight; whether anything was in flight."""
@@ -315,7 +371,7 @@ def batch_lengths(p: SimParams, target: int) -> list[int]:
             for _ in range(p.prompts * p.samples)]
 
 
-def simulate(p: SimParams, k: int, partial: bool) -> dict:
+def simulate(p: SimParams, k: int, partial: bool, overlap: bool = False) -> dict:
     """One run: the real Producer, the simulated fleet, the learner loop in virtual time."""
     from megatron_rl.trainer.producer import Producer
     from megatron_rl.trainer.prompts import Prompt, PromptStream
@@ -330,8 +386,9 @@ def simulate(p: SimParams, k: int, partial: bool) -> dict:
         fleet.generate(reqs)
         return reqs, {}
 
-    producer = Producer(produce, stream, k, last_target=p.steps - 1, on_exit=clock.retire)
+    producer = Producer(produce, stream, k, last_target=p.steps - 1, on_exit=clock.retire, overlap=overlap)
     producer._cond = VCondition(clock)  # the real gate and drain, waiting in virtual time
+    producer.before_worker = clock.expect_thread  # overlap's worker threads join the clock
     clock.expect_thread()
     producer.start(0, published=0)
     rows = []
@@ -367,6 +424,7 @@ def simulate(p: SimParams, k: int, partial: bool) -> dict:
     clock.block()
     producer.stop()
     clock.unblock()
+    fleet.stop()
     return summarize(p, rows, fleet.log)
 
 
@@ -446,8 +504,8 @@ def run_sim(args) -> None:
               "data | waits in drain | push (+abort) | staleness mean | old-token frac | continued |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         sync = None
-        for name, k, partial in CONFIGS:
-            s = simulate(p, k, partial)
+        for name, k, partial, overlap in CONFIGS:
+            s = simulate(p, k, partial, overlap)
             sync = sync or s["step_s"]
             print(f"| {name} | {s['step_s']:.1f} | {3600 / s['step_s']:.1f} | {sync / s['step_s']:.3f} | "
                   f"{s['decode']:.1%} | {s['slots']:.1%} | {s['train']:.1%} | {s['wait']:.1%} | {s['drain']:.1%} | "
@@ -493,11 +551,11 @@ def run_cpu(args) -> None:
     ckpt = make_tiny_checkpoint(root / "model", **vars(tiny))
     config = ServerConfig(model_path=str(ckpt), max_total_tokens=8192,
                           extra_args=("--enable-deterministic-inference",), env={"OMP_NUM_THREADS": "1"})
-    results: dict[str, list[dict]] = {name: [] for name, _, _ in CONFIGS}
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in REAL}
     with EngineManager(config, 1, log_dir=root / "logs") as mgr:
         url = mgr.urls()[0]
         for rep in range(reps):
-            for name, k, partial in CONFIGS:
+            for name, k, partial in REAL:
                 pinned = pin_tree(mgr.servers[0].pid, 0)  # again each run: the watchdog may restart it
                 out = root / f"{name}.{rep}"
                 cmd = ["taskset", "-c", "1", sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu",
@@ -538,7 +596,7 @@ def cpu_table(results: dict[str, list[dict]]) -> None:
           "| continued samples/step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     sync = results["sync"]
-    for name, _, _ in CONFIGS:
+    for name, _, _ in REAL:
         rs = results[name]
         ratios = [s["time/step"] / r["time/step"] for r, s in zip(rs, sync)]
 
