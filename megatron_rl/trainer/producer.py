@@ -220,8 +220,12 @@ class Producer:
     def _make(self, t: int, epoch: int, worker: bool) -> None:
         """Make target t's share (on the producer thread, or a worker of its own with overlap)."""
         try:
+            with self._cond:
+                beside = len(self._busy) > 1  # started in another target's tail
             stream = _DrawOnce(self.stream, t, self._on_drawn) if worker else self.stream
             batch, metrics = self._produce(t, stream)
+            if worker:
+                metrics = {**metrics, "async/started_beside": float(beside)}
             share = StepShare(t, batch, metrics, stream.state_dict(), epoch)
             with self._cond:
                 if epoch == self._epoch:  # a restart during the target discards it

@@ -227,6 +227,7 @@ def test_overlap_starts_the_next_target_once_the_current_one_has_drawn():
     second, after_second = [q.ids[0] for q in ref.take(3)], ref.state_dict()
     assert (s0.batch, s1.batch) == (first, second)
     assert (s0.position, s1.position) == (after_first, after_second)
+    assert (s0.metrics["async/started_beside"], s1.metrics["async/started_beside"]) == (0.0, 1.0)
     release[2].set(), release[3].set()
     p.published(1)
     assert p.get(2).batch == [q.ids[0] for q in ref.take(3)]
