@@ -74,7 +74,6 @@ class Producer:
                              "sample may lag the learner)")
         self._produce, self.stream, self.k = produce, stream, int(max_staleness)
         self._name, self._on_exit = name, on_exit
-        self._on_worker_exit: Optional[Callable[[], None]] = on_exit  # each worker closes what it opened
         self.before_worker: Optional[Callable[[], None]] = None  # called before a worker starts (a virtual clock)
         self.last_target = last_target  # no target after it is made (the run's last step)
         self._cond = threading.Condition()
@@ -239,8 +238,8 @@ class Producer:
                 self._busy.discard(t)
                 self._drawn.discard(t)
                 self._cond.notify_all()
-            if worker and self._on_worker_exit is not None:
-                self._on_worker_exit()
+            if worker and self._on_exit is not None:
+                self._on_exit()  # each worker thread closes what it opened (its client lane)
 
     def _on_drawn(self, t: int) -> None:
         with self._cond:
