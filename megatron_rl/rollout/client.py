@@ -42,8 +42,11 @@ key, the servers tried and the errors. Every retry is logged and kept in `retry_
 is built, exactly once per (prompt, sample), so the caller can start on finished samples (e.g.
 score rewards) while others are still generating.
 
-Concurrency and time limits: at most `max_inflight_per_server` requests of one client are in
-flight on a server (the rest wait in the client, so the least-loaded choice stays meaningful).
+Concurrency and time limits: a request takes a slot of its server before it is sent
+(`rollout/fleet.py`'s `FleetBudget`: each server's slots, shared by every client of the job when
+the trainer passes one budget to all, else this client's own `max_inflight_per_server`). It goes
+to the least loaded server with a free slot; with every slot taken it waits in this client, first
+in first out, for the next slot anywhere, rather than in one server's queue.
 What a request may take is measured by its server's progress, not by a clock that also counts
 queueing: while this client has requests in flight on a server, a watchdog asks the server's
 scheduler for its load (`/v1/loads`, answered between two forward batches) every
@@ -90,6 +93,7 @@ import math
 import logging
 import time
 import uuid
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -97,6 +101,7 @@ import aiohttp
 import orjson
 
 from . import auth
+from .fleet import FleetBudget
 from .records import (
     UNKNOWN_VERSION,
     MalformedResponse,
@@ -383,7 +388,9 @@ class RolloutClient:
     max_new_tokens (generation_timeout_s); CONTROL_TIMEOUT_S for /classify.
     `stall_timeout`: seconds a server with requests of this client in flight may give no sign of
     life before it is marked down and they go elsewhere (module docstring); None: no watchdog.
-    `max_inflight_per_server`: requests of this client in flight on one server at a time.
+    `budget`: the slots of each server this client takes before it sends there (fleet.py), shared
+    with the job's other clients; None: a budget of its own, `max_inflight_per_server` slots per
+    server.
     `moe_topk`, `num_experts`: the router's top-k (num_experts_per_tok) and the experts per MoE
     layer, both needed to decode routed experts (ids are checked against num_experts, and
     num_experts picks the routes' dtype: records.route_dtype).
@@ -397,6 +404,7 @@ class RolloutClient:
                  connect_timeout: float = 10.0, max_attempts: int = 6,
                  backoff_initial: float = 0.5, backoff_max: float = 8.0,
                  server_wait_timeout: float = 300.0, max_inflight_per_server: int = 64,
+                 budget: FleetBudget | None = None,
                  moe_topk: int | None = None, num_experts: int | None = None,
                  continue_aborted: bool = False, eos_token_ids: Sequence[int] = (),
                  stall_timeout: float | None = STALL_TIMEOUT_S):
@@ -424,7 +432,7 @@ class RolloutClient:
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
         self.server_wait_timeout = server_wait_timeout
-        self.max_inflight_per_server = max_inflight_per_server
+        self.budget = budget if budget is not None else FleetBudget.local(max_inflight_per_server)
         self.moe_topk = moe_topk
         self.num_experts = num_experts
         self.retry_events: list[RetryEvent] = []
@@ -435,18 +443,16 @@ class RolloutClient:
         self.expected_version: str | None = None
         self._stale_said: dict[str, str] = {}
         self._inflight: dict[str, dict[str, tuple[int, int]]] = {}
-        # Attempts assigned to each server: waiting for one of its slots or in flight there. The
-        # server choice reads this, not _inflight: once every slot is taken, requests counted only
-        # in flight would all tie and queue on the first URL (measured: 40 samples, 4 servers x 2
-        # slots went 34/2/2/2).
-        self._assigned: dict[str, int] = {}
+        self.sent: Counter[str] = Counter()  # attempts sent to each server
+        # Requests waiting for a slot, first in first out: (server to avoid, the future the pump
+        # sets to the server whose slot it took, or None when no server is up).
+        self._line: deque[tuple[str | None, asyncio.Future]] = deque()
+        self._pump_task: asyncio.Task | None = None
+        self._freed = asyncio.Event()  # this client gave a slot back
         self._session: aiohttp.ClientSession | None = None
         self._aborted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._read_gate = asyncio.Semaphore(READ_SLOTS)
-        # Per-server request slots (max_inflight_per_server), shared by every generate call of this
-        # client: seeded sampling and episodes make one call per prompt / turn, all at once.
-        self._slots: dict[str, asyncio.Semaphore] = {}
 
     # --- session ----------------------------------------------------------------------------
     @property
@@ -464,11 +470,13 @@ class RolloutClient:
         return self._session
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            if self._watchdog.get_loop() is asyncio.get_running_loop():
-                await asyncio.gather(self._watchdog, return_exceptions=True)
-            self._watchdog = None
+        for attr in ("_watchdog", "_pump_task"):
+            task = getattr(self, attr)
+            if task is not None:
+                task.cancel()
+                if task.get_loop() is asyncio.get_running_loop():
+                    await asyncio.gather(task, return_exceptions=True)
+                setattr(self, attr, None)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -492,8 +500,9 @@ class RolloutClient:
 
     # --- server choice ----------------------------------------------------------------------
     async def _pick(self, avoid: str | None) -> str:
-        """The up server with the fewest attempts assigned (waiting or in flight), counted as
-        assigned from here on: the caller gives it back with `_release`."""
+        """A slot of the least loaded up server with one free (`budget`), other than `avoid` when
+        another is up; with every slot taken, waits in line for the next one. The caller gives
+        it back with `_release`."""
         deadline = time.monotonic() + self.server_wait_timeout
         delay = self.backoff_initial
         while True:
@@ -507,17 +516,65 @@ class RolloutClient:
                     logger.warning("server %s answers again; back in rotation", u)
                     self._down.pop(u, None)  # concurrent picks may both see it recover
                     self._stalled.pop(u, None)
-            up = [u for u in urls if u not in self._down]
-            if up:
-                others = [u for u in up if u != avoid] or up
-                url = min(others, key=lambda u: self._assigned.get(u, 0))
-                self._assigned[url] = self._assigned.get(url, 0) + 1  # no await between choice and count
-                return url
+            if any(u not in self._down for u in urls):
+                # Behind the requests already in line; else a slot now, or into the line.
+                url = None if self._line else self._take(avoid)
+                if url is None:
+                    url = await self._wait_in_line(avoid)
+                if url is not None:
+                    self.sent[url] += 1
+                    return url
+                continue  # every server went down meanwhile
             if time.monotonic() > deadline:
                 raise RolloutError(f"no SGLang server reachable for {self.server_wait_timeout:.0f}s "
                                    f"(all down: {sorted(self._down)})")
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.backoff_max)
+
+    def _take(self, avoid: str | None) -> str | None:
+        """A slot of an up server (not `avoid` while another is up), or None: all full or down."""
+        up = [u for u in self._urls() if u not in self._down]
+        return self.budget.take([u for u in up if u != avoid] or up)
+
+    async def _wait_in_line(self, avoid: str | None) -> str | None:
+        """The server whose slot the pump took for this request, in arrival order; None when no
+        server is up any more."""
+        fut = asyncio.get_running_loop().create_future()
+        entry = (avoid, fut)
+        self._line.append(entry)
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
+        try:
+            return await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
+                self._release(fut.result())  # granted as this request was cancelled: give it back
+            with contextlib.suppress(ValueError):
+                self._line.remove(entry)
+            raise
+
+    async def _pump(self) -> None:
+        """Grant slots to the line in order: at once for slots this client gives back, every
+        FleetBudget.POLL_S for those of other clients."""
+        while self._line:
+            while self._line:
+                avoid, fut = self._line[0]
+                if fut.done():  # its request was cancelled
+                    self._line.popleft()
+                    continue
+                if not any(u not in self._down for u in self._urls()):
+                    url = None  # back to _pick: probes and the wait for a server
+                else:
+                    url = self._take(avoid)
+                    if url is None:
+                        break
+                self._line.popleft()
+                fut.set_result(url)
+            if not self._line:
+                break
+            self._freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), self.budget.POLL_S)
 
     async def _back(self, url: str) -> bool:
         """A down server may serve again: its scheduler answers (the watchdog's probe: a hung
@@ -554,7 +611,8 @@ class RolloutClient:
         return any(u != url and u not in self._down for u in self._urls())
 
     def _release(self, url: str) -> None:
-        self._assigned[url] -= 1
+        self.budget.give(url)
+        self._freed.set()
 
     # --- the stall watchdog -------------------------------------------------------------------
     async def _watched(self, url: str, request: Awaitable[Any]) -> Any:
@@ -698,7 +756,7 @@ class RolloutClient:
 
     async def _sample(self, batch: str, i: int, j: int, prompt: list[int], payload_base: dict,
                       sampling: SamplingParams, n: int, top_k: int, routed: bool,
-                      sem: dict[str, asyncio.Semaphore], timeout: float,
+                      timeout: float,
                       on_record: Callable[[RolloutRecord], Any] | None) -> RolloutRecord:
         seed = None if sampling.seed is None else sampling.seed + i * n + j
         what = f"sample (prompt {i}, sample {j})"
@@ -708,15 +766,12 @@ class RolloutClient:
             rid = f"{batch}-{i}-{j}-a{attempt}" if k == 0 else f"{batch}-{i}-{j}-s{k}a{attempt}"
             payload = dict(payload_base, input_ids=ids, rid=rid,
                            sampling_params=dataclasses.replace(sampling, max_new_tokens=budget).to_sglang(seed))
-            sem.setdefault(url, asyncio.Semaphore(self.max_inflight_per_server))
             try:
-                async with sem[url]:
-                    self._inflight.setdefault(url, {})[rid] = (i, j)
-                    try:
-                        out = await self._attempt(url, payload, timeout, keep_partial=self.continue_aborted)
-                    finally:
-                        self._inflight[url].pop(rid, None)
-                # Parsed outside the semaphore: the slot goes to the next request meanwhile.
+                self._inflight.setdefault(url, {})[rid] = (i, j)
+                try:
+                    out = await self._attempt(url, payload, timeout, keep_partial=self.continue_aborted)
+                finally:
+                    self._inflight[url].pop(rid, None)
                 return record_from_sglang(out, prompt_ids=ids, prompt_index=i, sample_index=j,
                                           temperature=sampling.temperature, top_k=top_k,
                                           moe_topk=self.moe_topk if routed else None,
@@ -797,11 +852,10 @@ class RolloutClient:
             payload_base["top_logprobs_num"] = top_k_logprobs
         if return_routed_experts:
             payload_base.update(return_routed_experts=True, routed_experts_start_len=0)
-        sem = self._slots  # the client's: the cap holds across concurrent generate calls
         keys = list(itertools.product(range(len(prompts)), range(n)))
         tasks = {(i, j): asyncio.ensure_future(self._sample(
                     batch, i, j, list(map(int, prompts[i])), payload_base, sampling, n,
-                    top_k_logprobs, return_routed_experts, sem, timeout, on_record))
+                    top_k_logprobs, return_routed_experts, timeout, on_record))
                  for i, j in keys}
         self._tasks.update(tasks.values())
         try:

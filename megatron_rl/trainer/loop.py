@@ -165,8 +165,8 @@ def validate(cfg: JobConfig) -> None:
     # The reward resolves here, in the parent, with plugins' error (a missing module or function),
     # before any reward worker starts.
     reward_kind(get_reward(cfg.data.reward), cfg.data.reward)
-    if r.max_inflight_per_server < 1 or (r.request_timeout is not None and r.request_timeout <= 0):
-        raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 1 and "
+    if r.max_inflight_per_server < 0 or (r.request_timeout is not None and r.request_timeout <= 0):
+        raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 0 (0: derived) and "
                          f"rollout.request_timeout={r.request_timeout} null (no total timeout) or > 0")
     if r.stall_timeout is not None and not r.stall_timeout > 0:
         raise ValueError(f"rollout.stall_timeout={r.stall_timeout}: seconds > 0, or null for no watchdog "

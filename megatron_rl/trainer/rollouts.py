@@ -38,6 +38,7 @@ from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import auth, placement
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
 from megatron_rl.rollout.episode import load_episode_fn, sample_episodes
+from megatron_rl.rollout.fleet import FleetBudget, LocalCounts, derived_capacity
 from megatron_rl.rollout.memory import return_large_frees
 from megatron_rl.rollout.placement import server_device
 from megatron_rl.rollout.records import RolloutRecord
@@ -150,16 +151,26 @@ class Rollouts:
                 r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
             # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
             # first request: a mismatch is one clear error here, not a rendezvous hang later.
+        caps = None
         if self.driver:
             placement.checked_endpoints(self.urls(), cfg)
-        # The producers' server list: rank 0's local servers (reachable on its host only) or the
-        # launcher's; a small object broadcast once.
-        shared = [(self.urls(), socket.gethostname()) if self.driver else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+            caps = self._capacities(r.max_new_tokens)
+            e = cfg.eval
+            self._eval_budget = FleetBudget.local(  # an evaluation's own slots (rank 0 evaluates)
+                caps if r.max_inflight_per_server or not e.max_new_tokens else self._capacities(e.max_new_tokens))
+        # The producers' server list (rank 0's local servers, reachable on its host only, or the
+        # launcher's), each server's slots for the whole job and the name the counts go under: a
+        # small object broadcast once.
+        shared = [(self.urls(), socket.gethostname(), caps, uuid.uuid4().hex[:8]) if self.driver else None]
+        multi = dist.is_initialized() and dist.get_world_size() > 1
+        if multi:
             dist.broadcast_object_list(shared, src=0)
-        urls, host = shared[0]
+        urls, host, caps, name = shared[0]
         if not self.producer:
             return
+        # One budget for every producer of the job (rollout/fleet.py): counted in the job's store.
+        store = dist.distributed_c10d._get_default_store() if multi else LocalCounts()
+        self._budget = FleetBudget(store, f"fleet/{name}", caps)
         if self.manager is None and not r.server_urls and socket.gethostname() != host:
             raise ValueError(f"rollout.placement=local serves from rank 0's node ({host}); the producer on "
                              f"{socket.gethostname()} cannot reach its servers: use "
@@ -214,8 +225,8 @@ class Rollouts:
             eos = self._eos_token_ids() if r.partial_rollouts else ()
             own = getattr(self._lanes, "urls", None)  # an evaluation's held servers
             client = RolloutClient(own or self._servers, request_timeout=r.request_timeout, stall_timeout=r.stall_timeout,
-                                   moe_topk=self.moe_topk,
-                                   num_experts=self.num_experts, max_inflight_per_server=r.max_inflight_per_server,
+                                   moe_topk=self.moe_topk, num_experts=self.num_experts,
+                                   budget=(self._eval_budget if own else self._budget).clone(),
                                    continue_aborted=r.partial_rollouts, eos_token_ids=eos)
             client.expected_version = self.weight_version
             if own:
@@ -224,6 +235,19 @@ class Rollouts:
             with self._lanes_lock:
                 self._all_lanes.append(lane)
         return lane[0]
+
+    def _capacities(self, max_new_tokens: int) -> dict[str, int]:
+        """Rank 0: each server's slots for the whole job, rollout.max_inflight_per_server or derived
+        from the server's KV pool (fleet.derived_capacity)."""
+        from megatron_rl.weights.endpoint import ServerEndpoint
+
+        n = self.cfg.rollout.max_inflight_per_server
+        caps = {u: n or derived_capacity(ServerEndpoint(u).server_info(), max_new_tokens) for u in self.urls()}
+        if not n:
+            print(f"[megatron-rl] rollout slots per server (derived from each server's KV pool at max_new_tokens="
+                  f"{max_new_tokens}; rollout.max_inflight_per_server sets them): "
+                  + ", ".join(f"{u} {c}" for u, c in caps.items()), flush=True)
+        return caps
 
     def _eos_token_ids(self) -> list[int]:
         """The model's end-of-sequence ids: the tokenizer's and generation_config.json's (an
@@ -470,7 +494,12 @@ class Rollouts:
         sampling = self.sampling(step, e.temperature, e.max_new_tokens or self.cfg.rollout.max_new_tokens, e.top_p,
                                  salt=999)
         deadline = e.timeout if self.episode_fn is None else None
-        groups, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+        client = self.client
+        training, client.budget = client.budget, self._eval_budget.clone()  # its own slots, never training's
+        try:
+            groups, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+        finally:
+            client.budget = training
         seen = {int(v) for g in groups for rec in g if rec.versions is not None for v in rec.versions.unique()}
         missing = int(metrics.get("missing_samples", 0))
         if missing:

@@ -468,7 +468,7 @@ def test_padding_routes_spread_evenly_over_experts():
     ("data.reward_workers=0", "data.reward_workers=0 must be >= 1"),
     ("rollout.request_timeout=-1", r"rollout.request_timeout=-1.0 null \(no total timeout\) or > 0"),
     ("rollout.stall_timeout=0", r"rollout.stall_timeout=0.0: seconds > 0, or null for no watchdog"),
-    ("rollout.max_inflight_per_server=0", "rollout.max_inflight_per_server=0 must be >= 1"),
+    ("rollout.max_inflight_per_server=-1", r"rollout.max_inflight_per_server=-1 must be >= 0 \(0: derived\)"),
     ("learner.max_tokens_per_micro_batch=-5", "learner.max_tokens_per_micro_batch=-5; valid: 0"),
     ("trainer.rollout_wait_timeout=0", "trainer.rollout_wait_timeout=0.0 must be > 0"),
     ("eval.servers=1", r"eval.servers=1: servers an evaluation holds beside training, fewer than the 1 rollout"),
