@@ -55,6 +55,57 @@ def _finalize_without_rescale(model, num_tokens=None, pg_collection=None, force_
                                 force_all_reduce=force_all_reduce)
 
 
+def to_device(mb: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """A host micro-batch on `device`: on CUDA through pinned memory with non-blocking copies (a
+    copy from pageable memory first waits for everything queued on the stream)."""
+    if not _on_gpu(device):
+        return {k: v.to(device) for k, v in mb.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in mb.items()}
+
+
+def _on_gpu(device) -> bool:
+    """A real CUDA device (the CPU layer, patches/megatron_cpu.py, names "cuda" on a machine without one)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+class Prefetched:
+    """The schedule's data iterator over micro-batch makers, one ahead: when micro-batch i is
+    taken, i+1 is made at once, so its host work and copies overlap i's compute. On CUDA it is made
+    on a side stream that the compute stream waits on (an event) before using it; elsewhere the
+    same order, synchronous. Yields zero-argument callables, as the makers themselves."""
+
+    def __init__(self, makers: list[Callable[[], dict]], device):
+        self._makers, self._i = list(makers), 0
+        self._stream = torch.cuda.Stream(torch.device(device)) if _on_gpu(device) else None
+        self._ready = self._make(0) if self._makers else None
+
+    def _make(self, i: int):
+        if self._stream is None:
+            return self._makers[i](), None
+        self._stream.wait_stream(torch.cuda.current_stream())  # inputs it reads were written there
+        with torch.cuda.stream(self._stream):
+            mb = self._makers[i]()
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        return mb, event
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Callable[[], dict]:
+        if self._ready is None:
+            raise StopIteration
+        mb, event = self._ready
+        self._i += 1
+        if event is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(event)
+            for v in mb.values():
+                v.record_stream(stream)  # the allocator must not hand it back while it is in use there
+        self._ready = self._make(self._i) if self._i < len(self._makers) else None
+        return lambda: mb
+
+
 class Learner:
     """Megatron GPTModel chunks + DDP + optimizer for one parallel layout.
 
@@ -210,10 +261,9 @@ class Learner:
         def make(idx):
             if idx is None:
                 mb = empty_micro_batch(batch, mult)
-                mb = {k: v.to(device) for k, v in mb.items()}
             else:
-                S = padded_len(int(lens[idx].max()), mult)
-                mb = batch.micro_batch(idx, S, device)
+                mb = batch.micro_batch(idx, padded_len(int(lens[idx].max()), mult))
+            mb = to_device(mb, device)
             mb["position_ids"] = torch.arange(mb["input_ids"].shape[1], device=device).expand(
                 mb["input_ids"].shape[0], -1)
             return mb
@@ -255,7 +305,8 @@ class Learner:
                 replay.after_forward(chunk, mb)
             return output, partial(self._loss_closure, loss_fn, mb)
 
-        iters = [iter(makers) for _ in self.model]
+        # Each micro-batch is made while the one before it runs (Prefetched).
+        iters = [Prefetched(makers, self.ctx.device) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iters if len(iters) > 1 else iters[0],

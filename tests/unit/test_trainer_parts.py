@@ -121,6 +121,28 @@ def test_micro_batches_follow_the_token_budget_and_trim_padding():
     assert [m.tolist() for m in batching.plan_micro_batches(lens, max_sequences=3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
+def test_micro_batches_are_made_one_ahead_and_unchanged():
+    """The schedule's iterator (learner.Prefetched) makes micro-batch i+1 as i is taken, so its host
+    work and copies overlap i's compute; what each forward step gets is what its maker made."""
+    from megatron_rl.learner.learner import Prefetched
+
+    made = []
+
+    def maker(i):
+        def make():
+            made.append(i)
+            return {"input_ids": torch.full((1, 2), i)}
+        return make
+
+    it = Prefetched([maker(i) for i in range(3)], "cpu")
+    assert made == [0]
+    got = []
+    for step in it:
+        got.append(int(step()["input_ids"][0, 0]))
+        assert made == list(range(min(len(got) + 1, 3)))  # the next one is ready before this runs
+    assert got == [0, 1, 2] and list(Prefetched([], "cpu")) == []
+
+
 def test_balance_plan_moves_only_the_surplus():
     lens = [torch.tensor([100, 5, 7]), torch.tensor([30, 90, 60]), torch.tensor([1])]
     mb = [torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), torch.zeros(1, dtype=torch.long)]
