@@ -21,7 +21,8 @@ Rounds:
 - `eval`: rank 0's evaluation (60 x 32 samples) alone on every server (the last step's);
 - `train + eval beside`: the step on all servers but one, the evaluation on that one
   (eval.servers=1), started together: training does not wait for it.
-Reported per round: wall time, each server's decoded tokens (load max/min), slot use (decoding
+Reported per round: wall time, requests and decoded tokens per server (max/min over the servers;
+tokens also depend on which server drew the long samples of the last wave), slot use (decoding
 slot-seconds over slots x wall), the spread of the producers' finish times, retries and servers
 marked down (all healthy here: any is a false alarm). Times are scaled: `rate` tokens/s per
 sequence stands for SGLang's tens; ratios between designs are what carries over.
@@ -202,8 +203,10 @@ def round_stats(fleet: Fleet, before: list[dict], urls: list[str], wall: float, 
     after = fleet.stats()
     idx = [fleet.urls.index(u) for u in urls]
     tokens = [after[i]["tokens"] - before[i]["tokens"] for i in idx]
+    requests = [after[i]["requests"] - before[i]["requests"] for i in idx]
     busy = sum(after[i]["busy"] - before[i]["busy"] for i in idx)
-    return dict(wall=wall, tokens=tokens, load=max(tokens) / max(1, min(tokens)),
+    return dict(wall=wall, tokens=tokens, load=max(tokens) / max(1, min(tokens)), requests=requests,
+                req_load=max(requests) / max(1, min(requests)),
                 slot_use=busy / (len(idx) * shape["slots"] * wall),
                 max_running=max(after[i]["max_running"] for i in idx),
                 max_waiting=max(after[i]["max_waiting"] for i in idx))
@@ -258,16 +261,16 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
     print(f"\n== {name}: {shape['producers']} producers, {shape['servers']} servers x {shape['slots']} slots, "
           f"{shape['prompts']} x {shape['samples']} samples up to {shape['max_new']} tokens, eval "
           f"{shape['eval'][0]} x {shape['eval'][1]}; {rate:g} tokens/s per sequence")
-    print(f"{'round':<28} {'wall s':>7} {'load max/min':>12} {'slot use':>8} {'max run':>7} {'max queued':>10} "
-          f"{'first done':>10} {'retries':>7} {'down':>4}")
+    print(f"{'round':<28} {'wall s':>7} {'requests max/min':>16} {'tokens max/min':>14} {'slot use':>8} "
+          f"{'max run':>7} {'max queued':>10} {'first done':>10} {'retries':>7} {'down':>4}")
     for design in ("per-producer", "fleet"):
         for kind in ("train", "eval"):
             r = res[design][kind]
             first = f"{r['first_done']:.1f}" if "first_done" in r else "-"
-            print(f"{design + ' ' + kind:<28} {r['wall']:>7.1f} {r['load']:>12.3f} {r['slot_use']:>8.2f} "
+            print(f"{design + ' ' + kind:<28} {r['wall']:>7.1f} {r['req_load']:>16.3f} {r['load']:>14.3f} {r['slot_use']:>8.2f} "
                   f"{r['max_running']:>7} {r['max_waiting']:>10} {first:>10} {r['retries']:>7} {r['down']:>4}")
     b = res["beside"]
-    print(f"{'fleet train + eval beside':<28} {b['wall']:>7.1f} {b['load']:>12.3f} {b['slot_use']:>8.2f} "
+    print(f"{'fleet train + eval beside':<28} {b['wall']:>7.1f} {b['req_load']:>16.3f} {b['load']:>14.3f} {b['slot_use']:>8.2f} "
           f"{b['max_running']:>7} {b['max_waiting']:>10} {'-':>10} {b['retries']:>7} {b['down']:>4}"
           f"   (training on {shape['servers'] - 1} servers; the evaluation on 1 took {b['eval_wall']:.1f} s)")
     f, p = res["fleet"]["train"], res["per-producer"]["train"]
