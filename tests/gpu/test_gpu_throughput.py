@@ -148,10 +148,50 @@ def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
     out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules)
+    if layer_spec == "torch":  # the default spec: the RL step at the same shape
+        out |= _dppo_topk_step(learner, cfg, batch, spec, times[WARMUP[dev]:])
     if dev == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["allocated_before_build_gib"] = before_gib
     del learner
+    return out
+
+
+def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float]) -> dict:
+    """The RL train step: DPPO with the top-K TV trust region (K = 20, the paper's) through the
+    trainer's `PolicyLoss` on the same batch and model as the NLL steps just timed; its median
+    step against theirs (issue 31's target: <= 1.05x)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.trainer.policy import PolicyLoss
+
+    dev = gpu_common.device()
+    B, S, V, K = spec["batch"], spec["seq"], spec["hf"]["vocab_size"], 20
+    g = torch.Generator().manual_seed(1)
+    # Distinct top-K ids per row (a stride prime to V), log-probs sorted, leaving tail mass.
+    base = torch.randint(0, V, (B, S, 1), generator=g)
+    topk_ids = (base + 7919 * torch.arange(K)) % V
+    topk_logp = torch.log_softmax(torch.randn(B, S, K, generator=g), -1).sort(-1, descending=True).values - 0.2
+    rl = dict(batch, rollout_logp=-3 * torch.rand(B, S, generator=g), advantages=torch.randn(B, S, generator=g),
+              topk_ids=topk_ids, topk_logp=topk_logp)
+    algo = dataclasses.replace(cfg.algorithm, policy_loss="dppo", divergence="topk_tv")
+    out = {}
+    # The torch loss (the reference) everywhere; the fused Triton kernel on the GPU.
+    for kernel in ("torch", "triton") if gpu_common.cuda() else ("torch",):
+        times, norms = [], []
+        for _ in range(WARMUP[dev] + TIMED[dev]):
+            loss_fn = PolicyLoss(algo, rl, 1.0, S, kernel=kernel)
+            gpu_common.synchronize()
+            t0 = time.perf_counter()
+            m = learner.train_step(rl, loss_fn)
+            gpu_common.synchronize()
+            times.append(time.perf_counter() - t0)
+            norms.append(m["grad_norm"])
+        step = statistics.median(times[WARMUP[dev]:])
+        out[f"dppo_topk_{kernel}"] = dict(step_s=step, all_step_s=times, grad_norms=norms,
+                                          over_nll_step=step / statistics.median(nll_times))
     return out
 
 
@@ -178,3 +218,9 @@ def test_learner_throughput_and_mfu(name):
     assert "SDPAttention" in torch_["modules"] and "DotProductAttention" in local["modules"], per_spec
     assert ("GroupedExperts" in torch_["modules"]) == ("SequentialMLP" in local["modules"]), per_spec
     assert torch_["params"] == local["params"]
+    # The RL step ran (the ratio against the NLL step is recorded for the 1.05x target).
+    for kernel in ("torch", "triton") if gpu_common.cuda() else ("torch",):
+        rl = torch_[f"dppo_topk_{kernel}"]
+        assert all(0 < n < 1e6 for n in rl["grad_norms"]), rl["grad_norms"]
+        print(f"{name}: DPPO top-K TV step ({kernel} loss) {rl['step_s'] * 1e3:.0f} ms = "
+              f"{rl['over_nll_step']:.3f}x the NLL step")
