@@ -603,17 +603,22 @@ class Rollouts:
         with none answering, waits up to `wait_s` for one (a supervisor restarting them)."""
         from megatron_rl.weights.endpoint import ServerEndpoint, WeightSyncError
 
+        from concurrent.futures import ThreadPoolExecutor
+
+        def version(url: str) -> Optional[str]:
+            try:
+                return str(ServerEndpoint(url).get("/get_model_info", timeout=10.0).get("weight_version"))
+            except WeightSyncError:
+                return None
+
+        urls = list(self.cfg.rollout.server_urls)
         deadline = time.monotonic() + wait_s
-        while True:
-            out = {}
-            for url in self.cfg.rollout.server_urls:
-                try:
-                    out[url] = str(ServerEndpoint(url).get("/get_model_info", timeout=10.0).get("weight_version"))
-                except WeightSyncError:
-                    pass
-            if out or time.monotonic() > deadline:
-                return out
-            time.sleep(2.0)
+        with ThreadPoolExecutor(max_workers=min(32, len(urls)) or 1) as pool:
+            while True:  # all asked at once: dead servers cost one 10 s timeout, not one each
+                out = {u: v for u, v in zip(urls, pool.map(version, urls)) if v is not None}
+                if out or time.monotonic() > deadline:
+                    return out
+                time.sleep(2.0)
 
     def _refresh_fleet(self) -> bool:
         """Rank 0, disaggregated: which servers answer (`_live`). True when one answers with another

@@ -87,3 +87,28 @@ def test_a_refusal_is_not_taken_for_a_gone_server():
     with pytest.raises(WeightSyncError, match="disabled") as e:
         t._begin()
     assert not isinstance(e.value, ServersUnreachable)  # the trainer would restart nothing and retry in vain
+
+
+def test_servers_are_asked_their_version_all_at_once(monkeypatch):
+    """Before a push rank 0 asks every configured server its weight version (`_answering`); the
+    ones that do not answer cost one timeout together, not one each."""
+    import time
+    import types
+
+    from megatron_rl.trainer.rollouts import Rollouts
+    from megatron_rl.weights import endpoint
+
+    def get(self, path, timeout=60.0):
+        assert path == "/get_model_info"
+        if "dead" in self.url:
+            time.sleep(0.5)  # its timeout
+            raise WeightSyncError(f"{self.url}{path}: timed out", unreachable=True)
+        return {"weight_version": self.url.rsplit(":", 1)[1]}
+
+    monkeypatch.setattr(endpoint.ServerEndpoint, "get", get)
+    r = object.__new__(Rollouts)
+    urls = ["http://a:3", "http://dead1:1", "http://dead2:1", "http://dead3:1", "http://b:4"]
+    r.cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(server_urls=urls))
+    start = time.monotonic()
+    assert r._answering(wait_s=0) == {"http://a:3": "3", "http://b:4": "4"}
+    assert time.monotonic() - start < 1.2  # 3 dead servers one after another: 1.5 s
