@@ -187,6 +187,7 @@ class RetryEvent:
 
 
 KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
+ABORT_WAIT_S = 5.0  # abort(): how long the servers' /abort_request answers are waited for, all together
 CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
 TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
@@ -906,6 +907,9 @@ class RolloutClient:
         self._aborted.set()
         calls = [self.server(u).abort_request(rid)
                  for u, rids in self._inflight.items() for rid in list(rids)]
-        await asyncio.gather(*calls, return_exceptions=True)
+        # Best effort, bounded: a busy server answers hundreds of aborts slowly, and a stop must not
+        # wait for them (the requests' connections close with their tasks below in any case).
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), ABORT_WAIT_S)
         for t in list(self._tasks):
             t.cancel()

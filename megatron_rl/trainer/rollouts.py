@@ -278,6 +278,8 @@ class Rollouts:
         with self._lanes_lock:
             self._all_lanes.remove(lane)
             self._pinned.discard(lane[0])
+        if lane[1].is_closed():  # the run's close() closed it: this thread outlived a stop's wait
+            return
         try:
             lane[1].run_until_complete(lane[0].close())
         finally:
