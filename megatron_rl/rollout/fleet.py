@@ -3,7 +3,7 @@
 A job has many producers (one per data-parallel rank, and a thread per target in the making), each
 with its own `RolloutClient`. Each client takes a slot of a server before it sends a request there
 and gives it back once the answer is in. The counts live in one c10d store: the job's TCPStore on
-rank 0 (every producer of the job), or an in-process HashStore (one client, tests). So the fleet as
+rank 0 (every producer of the job), or `LocalCounts` in one process. So the fleet as
 a whole keeps each server at its capacity, whichever producers send:
 - a request goes to the server with the lowest load (slots taken / capacity) that has a free slot,
   ties broken by a per-budget rotation (no first-URL bias);

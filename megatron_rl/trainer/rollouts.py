@@ -154,10 +154,8 @@ class Rollouts:
         caps = None
         if self.driver:
             placement.checked_endpoints(self.urls(), cfg)
-            caps = self._capacities(r.max_new_tokens)
-            e = cfg.eval
-            self._eval_budget = FleetBudget.local(  # an evaluation's own slots (rank 0 evaluates)
-                caps if r.max_inflight_per_server or not e.max_new_tokens else self._capacities(e.max_new_tokens))
+            caps, eval_caps = self._capacities(r.max_new_tokens, cfg.eval.max_new_tokens or r.max_new_tokens)
+            self._eval_budget = FleetBudget.local(eval_caps)  # an evaluation's own slots (rank 0 evaluates)
         # The producers' server list (rank 0's local servers, reachable on its host only, or the
         # launcher's), each server's slots for the whole job and the name the counts go under: a
         # small object broadcast once.
@@ -236,18 +234,23 @@ class Rollouts:
                 self._all_lanes.append(lane)
         return lane[0]
 
-    def _capacities(self, max_new_tokens: int) -> dict[str, int]:
-        """Rank 0: each server's slots for the whole job, rollout.max_inflight_per_server or derived
-        from the server's KV pool (fleet.derived_capacity)."""
+    def _capacities(self, train_tokens: int, eval_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Rank 0: each server's slots for the whole job's training and for an evaluation (at their
+        max_new_tokens): rollout.max_inflight_per_server, or derived from the server's KV pool
+        (fleet.derived_capacity)."""
         from megatron_rl.weights.endpoint import ServerEndpoint
 
         n = self.cfg.rollout.max_inflight_per_server
-        caps = {u: n or derived_capacity(ServerEndpoint(u).server_info(), max_new_tokens) for u in self.urls()}
-        if not n:
-            print(f"[megatron-rl] rollout slots per server (derived from each server's KV pool at max_new_tokens="
-                  f"{max_new_tokens}; rollout.max_inflight_per_server sets them): "
-                  + ", ".join(f"{u} {c}" for u, c in caps.items()), flush=True)
-        return caps
+        if n:
+            caps = {u: n for u in self.urls()}
+            return caps, caps
+        infos = {u: ServerEndpoint(u).server_info() for u in self.urls()}
+        train, evaluation = ({u: derived_capacity(info, tokens) for u, info in infos.items()}
+                             for tokens in (train_tokens, eval_tokens))
+        print("[megatron-rl] rollout slots per server, training / evaluation (derived from each server's KV pool; "
+              "rollout.max_inflight_per_server sets them): "
+              + ", ".join(f"{u} {train[u]} / {evaluation[u]}" for u in infos), flush=True)
+        return train, evaluation
 
     def _eos_token_ids(self) -> list[int]:
         """The model's end-of-sequence ids: the tokenizer's and generation_config.json's (an
