@@ -374,7 +374,7 @@ def batch_lengths(p: SimParams, target: int) -> list[int]:
 def simulate(p: SimParams, k: int, partial: bool, overlap: bool = False) -> dict:
     """One run: the real Producer, the simulated fleet, the learner loop in virtual time."""
     from megatron_rl.trainer.producer import Producer
-    from megatron_rl.trainer.prompts import Prompt, PromptStream
+    from megatron_rl.data.prompts import Prompt, PromptStream
 
     clock = VirtualClock()
     fleet = Fleet(clock, p.slots, p.tau, p.beta, p.prefill_rate)
@@ -532,7 +532,7 @@ def run_cpu(args) -> None:
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.models.tiny import make_tiny_checkpoint
     from megatron_rl.rollout.server import EngineManager, ServerConfig
-    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.run.metrics import read_metrics
 
     if (os.cpu_count() or 1) < 2:
         raise SystemExit("cpu mode pins the server to core 0 and the learner to core 1: needs 2 cores")

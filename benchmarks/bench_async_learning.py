@@ -134,7 +134,7 @@ def token_mean(rows: list[dict], key: str, part: str):
 
 
 def summarize_run(run: Path, steps: int, wall: float | None) -> dict:
-    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(run) if r["step"] >= 0] if (run / "metrics.jsonl").exists() else []
     acc = [(r["step"], r["rollout/accuracy"]) for r in rows if "rollout/accuracy" in r]

@@ -1,5 +1,5 @@
 """How long a training step is held up by a checkpoint: synchronous vs asynchronous saves
-(trainer/checkpoint.py `Checkpointer`), measured on a tiny model here, with the 30B-A3B arithmetic
+(run/checkpoint.py `Checkpointer`), measured on a tiny model here, with the 30B-A3B arithmetic
 beside it.
 
 One process (world size 1, gloo), the learner of a tiny Qwen3 (`--model tiny`: 2 layers, hidden 64;
@@ -56,7 +56,7 @@ def main() -> None:
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
     from megatron_rl.models.tiny import make_tiny_checkpoint
-    from megatron_rl.trainer.checkpoint import Checkpointer
+    from megatron_rl.run.checkpoint import Checkpointer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_checkpoint_"))
     hf = make_tiny_checkpoint(tmp / "model", **MODELS[args.model])

@@ -41,7 +41,7 @@ full batch (by padded bytes B x S_pad, which is what those phases move), labelle
 
 Designs.
 - funnel (the path before per-rank batches, commit 80e815a): rank 0 generates every sample of
-  the batch (`RolloutClient.generate`, records per response), `build_batch` (trainer/batch.py of
+  the batch (`RolloutClient.generate`, records per response), `build_batch` (batch/rollout_batch.py of
   that commit, kept verbatim below as `legacy_build_batch`), frees the records (they were locals
   of the trainer's `_generate_on_driver`), `broadcast_object_list` of (batch, metrics) to every
   rank; each rank then cuts every mini-batch (`legacy_mini_batches`) into its micro-batches with
@@ -274,7 +274,7 @@ def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.
 
 
 # ------------------------------------------------------------------------------------------------
-# the funnel's batch code: trainer/batch.py as of commit 80e815a (before per-rank batches), verbatim
+# the funnel's batch code: batch/rollout_batch.py as of commit 80e815a (before per-rank batches), verbatim
 # but for the names; what `_generate_on_driver` and `_mini_batch_steps` called
 # ------------------------------------------------------------------------------------------------
 
@@ -396,7 +396,7 @@ class PeakMemory:
 
 
 def compact_nbytes(P: np.ndarray, T: np.ndarray, s: Scale) -> int:
-    """Bytes of sequences in the compact per-sequence layout (trainer/batch.py `RolloutBatch`,
+    """Bytes of sequences in the compact per-sequence layout (batch/rollout_batch.py `RolloutBatch`,
     counted here from the lengths alone): per position input ids int32, loss mask and rollout
     log-probs fp32; per response token K top-K ids int32 + log-probs fp32; per input position but
     the last L x k uint8 routes; per sequence 5 int64, 1 fp32, 1 bool."""
@@ -408,7 +408,7 @@ def compact_nbytes(P: np.ndarray, T: np.ndarray, s: Scale) -> int:
 
 def shares(s: Scale) -> list[list[int]]:
     """Groups of each DP rank: prompt j of the step is produced by rank j mod DP
-    (trainer/rollouts.py `Rollouts.generate`), i.e. prompts/(mini-batches x DP) of every mini-batch."""
+    (rollout/fleet.py `Fleet.generate`), i.e. prompts/(mini-batches x DP) of every mini-batch."""
     return [list(range(r, s.prompts, s.dp)) for r in range(s.dp)]
 
 
@@ -502,8 +502,8 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
     import torch.distributed as dist
 
     from megatron_rl.learner.learner import Learner
-    from megatron_rl.trainer import batch as batching
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl import batch as batching
+    from megatron_rl.batch import RolloutBatch
 
     from megatron_rl.rollout.memory import return_large_frees
 
@@ -511,7 +511,7 @@ def sharded_rank(rank: int, world: int, s: Scale, seed: int, urls: list[str], ra
     learner = learner_stand_in(s, rank, world)
     url, groups = urls[rank], rank_groups[rank]
     out: dict = dict(rank=rank)
-    return_large_frees()  # as every producer does (trainer/rollouts.py)
+    return_large_frees()  # as every producer does (rollout/fleet.py)
     dist.barrier()
     with PeakMemory() as mem:
         records, t_parsed, cpu = generate(url, s, seed, groups, prompt_len)

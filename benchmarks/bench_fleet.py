@@ -12,10 +12,10 @@ body carries one token per `TOKEN_SCALE` decoded tokens, so the client parses re
 answers without 16k-token bodies.
 
 Two designs, the same requests:
-- `per-producer`: each client its own slots, 64 per server (the trainer before rollout/fleet.py):
+- `per-producer`: each client its own slots, 64 per server (the trainer before rollout/admission.py):
   16 producers put 1,024 requests on a server that runs 128, the rest waiting in its queue;
 - `fleet`: one FleetBudget of `slots` per server for all clients, counted in a real c10d TCPStore
-  (rollout/fleet.py): requests wait in their producer for the next free slot anywhere.
+  (rollout/admission.py): requests wait in their producer for the next free slot anywhere.
 Rounds:
 - `train`: every producer generates its share of one step (prompts x samples / producers) at once;
 - `eval`: rank 0's evaluation (60 x 32 samples) alone on every server (the last step's);
@@ -191,7 +191,7 @@ def produce(jobs: list[dict], shape: dict) -> list[dict]:
 
 
 def budgets(design: str, shape: dict, store, name: str, count: int):
-    from megatron_rl.rollout.fleet import FleetBudget
+    from megatron_rl.rollout.admission import FleetBudget
 
     if design == "per-producer":
         return [FleetBudget.local(PER_PRODUCER_SLOTS) for _ in range(count)]

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 
 
 def main(argv=None) -> int:
-    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.run.metrics import read_metrics
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="run folder (default: a temporary one)")

@@ -30,7 +30,7 @@ STAGES = ("time/generate", "time/advantages", "time/old_logp", "time/ref_logp", 
 
 
 def time_split(run: Path) -> None:
-    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(run) if r["step"] >= 0]
     no_eval = [r for r in rows if not any(k.startswith("eval/") for k in r)]
@@ -48,7 +48,7 @@ def time_split(run: Path) -> None:
 
 
 def rollout_like_batch(B: int, P: int, T: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """B sequences of P prompt + T response tokens, shaped like trainer/batch.py's batches."""
+    """B sequences of P prompt + T response tokens, shaped like batch/rollout_batch.py's batches."""
     g = torch.Generator().manual_seed(seed)
     S = P + T
     ids = torch.randint(3, vocab, (B, S), generator=g)

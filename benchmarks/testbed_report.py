@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_rl.trainer.compare import summarize  # noqa: E402
-from megatron_rl.trainer.metrics import read_metrics  # noqa: E402
+from megatron_rl.tools.compare import summarize  # noqa: E402
+from megatron_rl.run.metrics import read_metrics  # noqa: E402
 
 EPS_LOW, EPS_HIGH, DELTA = 0.2, 0.28, 0.15
 BUCKETS = (("μ < 0.1", 0.0, 0.1), ("0.1 ≤ μ ≤ 0.9", 0.1, 0.9 + 1e-9), ("μ > 0.9", 0.9 + 1e-9, 1.01))
@@ -159,7 +159,7 @@ def token_analysis(runs: dict[str, list[Path]], tokenizer) -> str:
 
 
 def plots(name: str, runs: dict[str, list[Path]], figures: Path) -> list[Path]:
-    from megatron_rl.trainer.plot import plot_compare
+    from megatron_rl.tools.plot import plot_compare
 
     figures.mkdir(parents=True, exist_ok=True)
     out = [plot_compare(runs, figures / f"testbed_{name}_accuracy.png"),

@@ -13,7 +13,7 @@ Commands:
                            training layout; one process, or torchrun with parallel.* overrides
   eval MODEL [OVR]         mean@k / pass@k of a HF folder, or of RUN_DIR's newest checkpoint
                            (exported to RUN_DIR/export/step_N), on served samples; no training
-  compare [OVR]            several algorithms x seeds on the tiny task, one plot (see trainer/compare.py)
+  compare [OVR]            several algorithms x seeds on the tiny task, one plot (see tools/compare.py)
   data NAME... [--out DIR] DAPO-Math-17k, AIME 2024/2025, GSM8K, MATH-500 from the hub -> the recipes'
                            Parquet layout with DAPO's prompt template (data/sources.py)
 
@@ -37,46 +37,20 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     from megatron_rl.distributed.context import layout_sizes, smallest_world
     from megatron_rl.rollout.placement import layout_report
 
-    from megatron_rl.trainer.loop import validate
-    from megatron_rl.trainer.prompts import check_data_files, load_examples
+    from megatron_rl.data.prompts import load_examples
+    from megatron_rl.trainer.preflight import preflight
 
     cfg = load_config(recipe, overrides)
     job = to_object(cfg)
-    if command in ("train", "train-lm"):
-        from megatron_rl.distributed.context import check_gpu_python
-
-        check_gpu_python(job)  # in a Slurm job: a GPU recipe on a Python without CUDA fails here, named
+    # The checks `train` makes before it starts anything (trainer/preflight.py), in its order.
+    ready = preflight(job, command=command)
     # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
     world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
-    from megatron_rl.models.hub import resolve_model_paths
-    from megatron_rl.models.layout import check_layout
-
-    resolve_model_paths(job)  # local folders, or hub ids through the hub cache
-
-    check_layout(job.model, job.parallel)  # heads / KV heads / MLP vs TP, layers vs PP and VPP, experts vs EP
     sizes = layout_sizes(job.parallel, world_size)
-    validate(job)
-    if command == "train":  # the run folder: a resume of another experiment fails here, not after the queue
-        from megatron_rl.trainer.run_dir import check_resume, nothing_to_do
-
-        probe = job
-        if job.model.hf_path is None and job.model.base.sft_steps > 0:
-            import copy
-
-            from megatron_rl.models.base import base_dir
-
-            probe = copy.deepcopy(job)
-            probe.model.hf_path = str(base_dir(job) / "hf")  # where `train` will find the cached base
-        resume = check_resume(probe)
-        idle = nothing_to_do(probe, resume)
+    if command == "train":
+        resume = ready.resume
         run_folder = (f"run folder: {job.trainer.out_dir} resumes {resume.checkpoint.name}" if resume.checkpoint
                       else f"run folder: {job.trainer.out_dir} starts at step 0")
-        from megatron_rl.trainer.checkpoint import storage_check
-
-        storage, problems = storage_check(probe)  # a full quota found by the first save, hours in, is found now
-        if problems:
-            raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))
-    check_data_files(job.data)
     if job.data.source == "files":  # read every row now: a bad row fails here, not mid-run
         n_train = len(load_examples(job.data, "train"))
         n_eval = len(load_examples(job.data, "eval")) if job.data.eval_files else 0
@@ -102,8 +76,8 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if command == "train":
-        print(storage)
-        print(idle or run_folder)  # the last line: the sbatch says it
+        print(ready.storage)
+        print(ready.idle or run_folder)  # the last line: the sbatch says it
     return 0
 
 
@@ -127,10 +101,8 @@ def unused_blocks(job, command: str) -> list[str]:
 
 def _train(recipe: str, overrides: list[str]) -> int:
     from megatron_rl.trainer.loop import train
-    from megatron_rl.trainer.prompts import check_data_files
 
     job = to_object(load_config(recipe, overrides))
-    check_data_files(job.data)
     history = train(job)
     if history and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
         first, last = history[0], history[-1]
@@ -143,7 +115,7 @@ def _train(recipe: str, overrides: list[str]) -> int:
 
 
 def _train_lm(recipe: str, overrides: list[str]) -> int:
-    from megatron_rl import lm_demo
+    from megatron_rl.tools import lm_demo
     from megatron_rl.distributed.context import init_distributed
 
     job = to_object(load_config(recipe, overrides))
@@ -160,7 +132,7 @@ def _train_lm(recipe: str, overrides: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    from megatron_rl.export import export_checkpoint
+    from megatron_rl.tools.export import export_checkpoint
 
     parser = argparse.ArgumentParser(prog="megatron-rl export", description=(
         "A run's checkpoint -> a Hugging Face folder (safetensors, config, tokenizer, generation "
@@ -176,7 +148,7 @@ def _export(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    from megatron_rl.evaluate import main as evaluate
+    from megatron_rl.tools.evaluate import main as evaluate
 
     return evaluate(argv)
 
@@ -184,7 +156,7 @@ def _eval(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C before the trainer handles it, or a second one (trainer/signals.py)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer handles it, or a second one (run/signals.py)
         print("\n[megatron-rl] interrupted: no checkpoint of the step in progress (the newest checkpoint, "
               "if any, is where a resume continues)", file=sys.stderr, flush=True)
         if argv is None:  # the console command: stop the servers (atexit), then leave without waiting on
@@ -282,7 +254,7 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"megatron-rl: error: {e}", file=sys.stderr)
             return 2
     if argv[:1] == ["compare"]:  # its own options: megatron-rl compare --help
-        from megatron_rl.trainer.compare import main as compare
+        from megatron_rl.tools.compare import main as compare
 
         try:
             return compare(argv[1:])
@@ -321,7 +293,7 @@ def _main(argv: list[str] | None = None) -> int:
         if not args.recipe:
             parser.error(f"{args.command} needs a recipe name" if args.command != "plot" else "plot needs RUN_DIR")
         if args.command == "plot":
-            from megatron_rl.trainer.plot import plot_run
+            from megatron_rl.run.curves import plot_run
 
             print(plot_run(args.recipe))
             return 0

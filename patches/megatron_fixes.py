@@ -16,7 +16,7 @@
   cost landed on every process's first checkpoint. A synchronous save
   (`AsyncSaveShardedStrategy.save`: `async_save`, then `execute_sync` in the calling process; the
   only kind this project makes) puts and gets in the calling process, so inside one the queue is a
-  plain in-process queue (`synchronous_save()`, also used by trainer/checkpoint.py when it runs a
+  plain in-process queue (`synchronous_save()`, also used by run/checkpoint.py when it runs a
   save's write in the calling process). Asynchronous saves keep upstream's Manager queue.
 """
 
@@ -47,7 +47,7 @@ def define_missing_te_names() -> None:
 @contextlib.contextmanager
 def synchronous_save() -> Iterator[None]:
     """Inside it, a save's write results travel through an in-process queue: for callers that run an
-    AsyncRequest's write in this process themselves (trainer/checkpoint.py's synchronous saves)."""
+    AsyncRequest's write in this process themselves (run/checkpoint.py's synchronous saves)."""
     _sync.depth = getattr(_sync, "depth", 0) + 1
     try:
         yield

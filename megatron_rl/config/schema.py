@@ -175,7 +175,7 @@ class RolloutConfig:
     release_memory: bool = False  # colocation on shared GPUs (release server memory while training): not implemented, true is refused
     request_timeout: Optional[float] = None  # seconds per generation request, queueing included, before it is aborted and retried elsewhere; None = no total timeout while stall_timeout watches the servers (else 300 + max_new_tokens / 8, rollout/client.py request_timeout_s)
     stall_timeout: Optional[float] = 600.0  # seconds a server with this producer's requests in flight may give no sign of life (its scheduler answering /v1/loads) before it is marked down and they are retried elsewhere; a request waiting in a busy server's queue is never timed out; must exceed the longest weight push (a scheduler loading weights answers nothing); null = no watchdog
-    max_inflight_per_server: int = 0  # generation requests the whole job (every producer together) keeps in flight on each server, the rest waiting in their producers for the next free slot anywhere (rollout/fleet.py); 0 = derived from each server's KV pool (/server_info: max_total_num_tokens / (0.7 x max_new_tokens), at most its max_running_requests); an evaluation has a budget of its own
+    max_inflight_per_server: int = 0  # generation requests the whole job (every producer together) keeps in flight on each server, the rest waiting in their producers for the next free slot anywhere (rollout/admission.py); 0 = derived from each server's KV pool (/server_info: max_total_num_tokens / (0.7 x max_new_tokens), at most its max_running_requests); an evaluation has a budget of its own
     quantization: str = "none"  # none | fp8: rollout servers hold the learner's weights in block-scaled e4m3 (128x128 blocks; CUDA: SGLang's FP8 serving from an FP8 copy of the checkpoint; CPU: weights rounded through e4m3 and served in full precision -- the weights' quantization error only); the learner trains in its own precision
     partial_rollouts: bool = False  # at a weight push, cut generation in flight (pause, abort) and continue it under the new weights, each token's version recorded (needs trainer.max_staleness > 0); false: the push waits for generation admitted before it
 
@@ -265,11 +265,11 @@ class TrainerConfig:
     rollouts_dir: Optional[str] = None  # rollout_only writes / train_only reads here (default out_dir/rollouts)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1)
     keep_checkpoints: int = 2  # newest checkpoints kept
-    async_save: bool = False  # write checkpoints while training goes on (shards staged in host memory, a forked writer per rank; trainer/checkpoint.py); false: the step waits for the write
+    async_save: bool = False  # write checkpoints while training goes on (shards staged in host memory, a forked writer per rank; run/checkpoint.py); false: the step waits for the write
     time_limit: Optional[float] = None  # seconds this run may take from its start; before a step (plus a save) that would not finish in time it checkpoints and exits with code 75 (the sbatch requeues); None: the Slurm job's end time (squeue, re-read as it changes), no limit outside Slurm; 0: off
     time_limit_margin: float = 180.0  # seconds kept free before the time limit (exit, server stop, requeue)
     resume: bool = True  # resume from the newest checkpoint in out_dir/checkpoints (false: start over, replacing them)
-    allow_config_change: bool = False  # resume a checkpoint written with other experiment settings (algorithm, model, data, layout, mode, ...); false: such a resume is an error naming them (trainer/run_dir.py)
+    allow_config_change: bool = False  # resume a checkpoint written with other experiment settings (algorithm, model, data, layout, mode, ...); false: such a resume is an error naming them (run/run_dir.py)
     progress: bool = True  # live progress display on rank 0 (a plain line per step when not a TTY)
     plot: bool = True  # write out_dir/curves.png at the end
     tensorboard: bool = False  # also log to TensorBoard (out_dir/tb)

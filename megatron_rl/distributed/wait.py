@@ -45,7 +45,7 @@ class LeaderFailed(RuntimeError):
 
 
 class Interrupted(Exception):
-    """A stop was requested while this rank waited (trainer/operations.py `Operations.interrupt`):
+    """A stop was requested while this rank waited (run/operations.py `Operations.interrupt`):
     the step in progress is given up. Raised by a wait given an `interrupt` check, and by a waiter
     whose leader was interrupted."""
 

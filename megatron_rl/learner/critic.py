@@ -41,7 +41,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.learner import Learner
 from megatron_rl.models.heads import build_scalar_head_chunks
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.batch import RolloutBatch
 
 
 class ScalarHeadLearner(Learner):

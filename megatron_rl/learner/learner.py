@@ -36,7 +36,7 @@ from megatron_rl.config.schema import JobConfig
 from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
-from megatron_rl.trainer.batch import (
+from megatron_rl.batch import (
     RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype, route_fill,
     split_micro_batches, widen_routes,
 )

@@ -16,7 +16,7 @@ import torch
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.critic import ScalarHeadLearner
-from megatron_rl.trainer.batch import RolloutBatch
+from megatron_rl.batch import RolloutBatch
 
 
 def last_token_index(attention_mask_BS: torch.Tensor) -> torch.Tensor:

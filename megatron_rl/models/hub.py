@@ -9,7 +9,7 @@ configs, tokenizer files and safetensors weights.
 
 Every rank resolves for itself (huggingface_hub locks the cache), before anything is built: the
 run's config.yaml records the snapshot folder, so a resume with another revision of the model is a
-different experiment (trainer/run_dir.py).
+different experiment (run/run_dir.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ NORMALIZE_EPS = 1e-6
 def sequence_attention_mask(loss_mask_BS: torch.Tensor) -> torch.Tensor:
     """[B, S] int64: 1 on prompt+response tokens, 0 on padding.
 
-    In the trainer's batch (trainer/batch.py) the last response token sits at input position
+    In the trainer's batch (batch/rollout_batch.py) the last response token sits at input position
     P+T−1, one after the last position `loss_mask` marks (P−1 .. P+T−2).
     """
     S = loss_mask_BS.shape[1]

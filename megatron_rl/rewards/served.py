@@ -35,7 +35,7 @@ class ServedRewardModel:
         if ctx.rank == 0 and not urls:
             from megatron_rl.rollout import auth
             from megatron_rl.rollout.server import EngineManager, ServerConfig
-            from megatron_rl.trainer.rollouts import server_device, server_dtype
+            from megatron_rl.rollout.servers import server_device, server_dtype
 
             self.manager = EngineManager(
                 ServerConfig(model_path=str(hf_path), device=server_device(cfg), dtype=server_dtype(cfg),
@@ -57,9 +57,7 @@ class ServedRewardModel:
     def score(self, batch) -> torch.Tensor:
         """Rewards [b] of this rank's sequences (a `RolloutBatch`; collective over its
         model-parallel group, whose leader asks the servers), or of a global batch dict (below)."""
-        from megatron_rl.trainer.batch import RolloutBatch
-
-        if not isinstance(batch, RolloutBatch):
+        if isinstance(batch, dict):
             return self._score_global(batch)
         out = torch.zeros(len(batch), dtype=torch.float32)
         if self.leader and len(batch):

@@ -43,7 +43,7 @@ is built, exactly once per (prompt, sample), so the caller can start on finished
 score rewards) while others are still generating.
 
 Concurrency and time limits: a request takes a slot of its server before it is sent
-(`rollout/fleet.py`'s `FleetBudget`: each server's slots, shared by every client of the job when
+(`rollout/admission.py`'s `FleetBudget`: each server's slots, shared by every client of the job when
 the trainer passes one budget to all, else this client's own `max_inflight_per_server`). It goes
 to the least loaded server with a free slot; with every slot taken it waits in this client, first
 in first out, for the next slot anywhere, rather than in one server's queue.
@@ -63,9 +63,9 @@ within it, queueing included, is aborted and retried). With `stall_timeout=None`
 tokens → 2348 s); `request_timeout_s` reads the same from a `RolloutConfig`. Control endpoints use
 CONTROL_TIMEOUT_S unless told.
 
-Response bodies are parsed with orjson (several times faster than json on the log-prob lists)
-with Python's cyclic GC paused: a 16k-token response with top-20 log-probs is ~350 k small lists,
-whose allocation otherwise triggers repeated full collections that cost 3–4× the parse itself.
+Where the pieces live: one server's HTTP surface and the parse of its answers in http.py
+(`ServerAPI`), the admission budget and the line of waiting requests in admission.py, the stall
+watchdog in watchdog.py; this module keeps each sample's retries and segments.
 
 `RolloutClient.classify(sequences)` scores token-id sequences on servers of a reward model
 (sequence classification, SGLang `--is-embedding`, route `/classify`), in chunks that are retried
@@ -76,32 +76,31 @@ s + i·n + j`, whichever server serves it (SGLang honours it only when the serve
 `--enable-deterministic-inference`).
 
 Control endpoints (routes and payloads of sglang 0.5.23's http_server.py) are methods of
-`ServerAPI`, one per server; `RolloutClient.servers()` gives one for each current URL.
-`update_weights_from_tensor` / `update_weights_from_distributed` must run between
-`begin_weight_update` and `end_weight_update` (SGLang answers 400 otherwise).
+`ServerAPI` (http.py), one per server; `RolloutClient.servers()` gives one for each current URL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
-import gc
 import itertools
-import math
 import logging
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import aiohttp
-import orjson
 
 from . import auth
-from .fleet import FleetBudget
+from .admission import FleetBudget, RequestLine
+from .http import (  # noqa: F401 (the errors, _loads and ServerAPI: re-exported)
+    _CONNECTION_ERRORS, CONTROL_TIMEOUT_S, NO_TIMEOUT, GenerationAborted, RolloutError, SGLangHTTPError,
+    ServerAPI, _loads,
+)
+from .watchdog import Stalled, StallWatchdog
 from .records import (
     UNKNOWN_VERSION,
     MalformedResponse,
@@ -109,29 +108,10 @@ from .records import (
     finish_reason,
     merge_segments,
     record_from_sglang,
-    split_bulk_fields,
     version_number,
 )
 
 logger = logging.getLogger(__name__)
-
-
-class RolloutError(RuntimeError):
-    pass
-
-
-class GenerationAborted(RolloutError):
-    pass
-
-
-class SGLangHTTPError(RolloutError):
-    def __init__(self, url: str, route: str, status: int, body: str):
-        super().__init__(f"{url}{route} answered {status}: {body[:500]}")
-        self.url, self.route, self.status, self.body = url, route, status, body
-
-
-class _Stalled(Exception):
-    """The watchdog found the request's server hung."""
 
 
 class _Retryable(Exception):
@@ -188,12 +168,10 @@ class RetryEvent:
 
 KEEPALIVE_S = 2.0  # client-side idle keep-alive, below the server's
 ABORT_WAIT_S = 5.0  # abort(): how long the servers' /abort_request answers are waited for, all together
-CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
 TIMEOUT_BASE_S = 300.0  # queueing and prefill allowance of every generation request
 FLOOR_DECODE_TOKENS_PER_S = 8.0  # slowest decode rate per request still counted as alive
 STALL_TIMEOUT_S = 600.0  # default: seconds a busy server may give no sign of life (module docstring)
 DOWN_PROBE_S = 1.0  # a down server is probed at most this often (every pick would probe it otherwise)
-NO_TIMEOUT = math.inf  # a request timeout that never fires (ServerAPI)
 
 
 READ_SLOTS = 1
@@ -215,171 +193,6 @@ def request_timeout_s(rollout_cfg) -> float:
     return generation_timeout_s(rollout_cfg.max_new_tokens)
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause cyclic GC around a large JSON parse: the hundreds of thousands of small lists it
-    allocates would each time trigger full collections of the whole heap; nothing parsed forms
-    a cycle, so collection can wait until the parse is done."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def _loads(body: bytes, url: str, route: str) -> Any:
-    bulk = {}
-    if route == "/generate":
-        # The bulky values stay raw bytes (records.py reads them in numpy): parsing a 16k-token
-        # answer's top-K into Python lists would cost ~2x its body in transient memory.
-        body, bulk = split_bulk_fields(body)
-    try:
-        with _gc_paused():
-            out = orjson.loads(body)
-        target = out[0] if isinstance(out, list) and out else out
-        if bulk and isinstance(target, dict) and isinstance(target.get("meta_info"), dict):
-            target["meta_info"].update(bulk)
-        return out
-    except orjson.JSONDecodeError as e:
-        raise MalformedResponse("(body)", f"{url}{route} answered 200 with invalid JSON ({e}); "
-                                f"it begins {body[:200]!r}") from None
-
-_CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ConnectionError,
-                      asyncio.TimeoutError)
-
-
-class ServerAPI:
-    """SGLang's HTTP endpoints on one server (sglang 0.5.23 routes and payloads)."""
-
-    def __init__(self, url: str, session: aiohttp.ClientSession, timeout: float = CONTROL_TIMEOUT_S):
-        self.url = url.rstrip("/")
-        self.session = session
-        self.timeout = aiohttp.ClientTimeout(total=timeout)
-
-    async def _request(self, method: str, route: str, payload: dict | None = None,
-                       timeout: float | None = None, gate: asyncio.Semaphore | None = None) -> Any:
-        t = (self.timeout if timeout is None else aiohttp.ClientTimeout(total=None) if timeout == NO_TIMEOUT
-             else aiohttp.ClientTimeout(total=timeout))
-        async with self.session.request(method, self.url + route, json=payload, timeout=t) as r:
-            # `gate` bounds how many bodies are read and parsed at once: the rest wait in socket
-            # buffers (aiohttp stops reading past its buffer limit), not in this process's memory.
-            async with gate if gate is not None else contextlib.nullcontext():
-                return await self._finish(r, route)
-
-    async def _finish(self, r, route: str) -> Any:
-        body = await r.read()
-        if r.status != 200:
-            raise SGLangHTTPError(self.url, route, r.status, body.decode(errors="replace"))
-        if r.content_type == "application/json":
-            return _loads(body, self.url, route)
-        return await r.text()
-
-    async def post(self, route: str, payload: dict | None = None, timeout: float | None = None,
-                   gate: asyncio.Semaphore | None = None):
-        return await self._request("POST", route, payload if payload is not None else {}, timeout, gate)
-
-    async def get(self, route: str, timeout: float | None = None):
-        return await self._request("GET", route, None, timeout)
-
-    # --- health and info --------------------------------------------------------------------
-    async def health(self, timeout: float = 5.0) -> bool:
-        try:
-            await self.get("/health", timeout=timeout)
-            return True
-        except (SGLangHTTPError, *_CONNECTION_ERRORS):
-            return False
-
-    async def get_model_info(self) -> dict:
-        return await self.get("/get_model_info")
-
-    async def get_server_info(self) -> dict:
-        return await self.get("/get_server_info")
-
-    # --- generation -------------------------------------------------------------------------
-    async def generate(self, payload: dict, timeout: float | None = None) -> dict:
-        return await self.post("/generate", payload, timeout)
-
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        await self.post("/abort_request", {"rid": rid, "abort_all": abort_all})
-
-    async def pause_generation(self, mode: str = "abort") -> dict:
-        """mode: "abort" (running requests end with finish_reason abort), "retract" (back to the
-        queue, KV freed) or "in_place" (kept, resumed by continue_generation)."""
-        return await self.post("/pause_generation", {"mode": mode})
-
-    async def continue_generation(self) -> dict:
-        return await self.post("/continue_generation", {})
-
-    async def flush_cache(self) -> str:
-        return await self.post("/flush_cache")
-
-    # --- weights ----------------------------------------------------------------------------
-    async def begin_weight_update(self, selector: str = "all") -> dict:
-        return await self.post("/begin_weight_update", {"selector": selector})
-
-    async def end_weight_update(self) -> dict:
-        return await self.post("/end_weight_update", {})
-
-    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[bytes | str], *,
-                                         load_format: str | None = None, flush_cache: bool = True,
-                                         weight_version: str | None = None,
-                                         abort_all_requests: bool = False) -> dict:
-        """`serialized_named_tensors`: one entry per TP rank of the server, each SGLang's
-        `MultiprocessingSerializer.serialize(named_tensors)` bytes (sent base64-encoded)."""
-        enc = [base64.b64encode(s).decode() if isinstance(s, bytes) else s
-               for s in serialized_named_tensors]
-        return await self.post("/update_weights_from_tensor", {
-            "serialized_named_tensors": enc, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": weight_version,
-            "abort_all_requests": abort_all_requests})
-
-    async def init_weights_update_group(self, master_address: str, master_port: int,
-                                        rank_offset: int, world_size: int, *,
-                                        group_name: str = "weight_update_group",
-                                        backend: str = "nccl", timeout: float | None = None) -> dict:
-        """The server's ranks join a process group with the trainer (which is rank 0)."""
-        return await self.post("/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port,
-            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
-            "backend": backend}, timeout)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
-        return await self.post("/destroy_weights_update_group", {"group_name": group_name})
-
-    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                              shapes: Sequence[Sequence[int]], *,
-                                              group_name: str = "weight_update_group",
-                                              flush_cache: bool = True,
-                                              weight_version: str | None = None,
-                                              load_format: str | None = None,
-                                              timeout: float | None = None) -> dict:
-        """The server receives these tensors by broadcast from the trainer over the group."""
-        return await self.post("/update_weights_from_distributed", {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
-            "load_format": load_format}, timeout)
-
-    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
-                                       weight_version: str | None = None,
-                                       flush_cache: bool = True,
-                                       abort_all_requests: bool = False) -> dict:
-        return await self.post("/update_weights_from_disk", {
-            "model_path": model_path, "load_format": load_format, "weight_version": weight_version,
-            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests})
-
-    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
-        return await self.post("/update_weight_version", {
-            "new_version": new_version, "abort_all_requests": abort_all_requests})
-
-    async def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return await self.post("/release_memory_occupation", {"tags": tags})
-
-    async def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return await self.post("/resume_memory_occupation", {"tags": tags})
-
-
 class RolloutClient:
     """Generation over a pool of SGLang servers (see the module docstring for the guarantees).
 
@@ -389,7 +202,7 @@ class RolloutClient:
     max_new_tokens (generation_timeout_s); CONTROL_TIMEOUT_S for /classify.
     `stall_timeout`: seconds a server with requests of this client in flight may give no sign of
     life before it is marked down and they go elsewhere (module docstring); None: no watchdog.
-    `budget`: the slots of each server this client takes before it sends there (fleet.py), shared
+    `budget`: the slots of each server this client takes before it sends there (admission.py), shared
     with the job's other clients; None: a budget of its own, `max_inflight_per_server` slots per
     server.
     `moe_topk`, `num_experts`: the router's top-k (num_experts_per_tok) and the experts per MoE
@@ -425,9 +238,6 @@ class RolloutClient:
             (lambda: list(servers)) if isinstance(servers, (list, tuple)) else servers.urls)
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
-        self.stall_poll_s = None if stall_timeout is None else min(10.0, stall_timeout / 4)
-        self._stalled: dict[str, asyncio.Event] = {}  # set by the watchdog: that server is hung
-        self._watchdog: asyncio.Task | None = None
         self.connect_timeout = connect_timeout
         self.max_attempts = max_attempts
         self.backoff_initial = backoff_initial
@@ -445,11 +255,12 @@ class RolloutClient:
         self._stale_said: dict[str, str] = {}
         self._inflight: dict[str, dict[str, tuple[int, int]]] = {}
         self.sent: Counter[str] = Counter()  # attempts sent to each server
-        # Requests waiting for a slot, first in first out: (server to avoid, the future the pump
-        # sets to the server whose slot it took, or None when no server is up).
-        self._line: deque[tuple[str | None, asyncio.Future]] = deque()
-        self._pump_task: asyncio.Task | None = None
-        self._freed = asyncio.Event()  # this client gave a slot back
+        # Requests waiting for a slot, first in first out (rollout/admission.py).
+        self._line = RequestLine(self._take, lambda: any(u not in self._down for u in self._urls()),
+                                 self._release, self.budget.POLL_S)
+        # The stall watchdog (rollout/watchdog.py), None without one.
+        self._watchdog = (StallWatchdog(stall_timeout, self._inflight, self._down, self.server)
+                          if stall_timeout is not None else None)
         self._session: aiohttp.ClientSession | None = None
         self._aborted = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -471,13 +282,9 @@ class RolloutClient:
         return self._session
 
     async def close(self) -> None:
-        for attr in ("_watchdog", "_pump_task"):
-            task = getattr(self, attr)
-            if task is not None:
-                task.cancel()
-                if task.get_loop() is asyncio.get_running_loop():
-                    await asyncio.gather(task, return_exceptions=True)
-                setattr(self, attr, None)
+        if self._watchdog is not None:
+            await self._watchdog.close()
+        await self._line.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -516,12 +323,13 @@ class RolloutClient:
                 if await self._back(u):
                     logger.warning("server %s answers again; back in rotation", u)
                     self._down.pop(u, None)  # concurrent picks may both see it recover
-                    self._stalled.pop(u, None)
+                    if self._watchdog is not None:
+                        self._watchdog.recovered(u)
             if any(u not in self._down for u in urls):
                 # Behind the requests already in line; else a slot now, or into the line.
                 url = None if self._line else self._take(avoid)
                 if url is None:
-                    url = await self._wait_in_line(avoid)
+                    url = await self._line.wait(avoid)
                 if url is not None:
                     self.sent[url] += 1
                     return url
@@ -537,52 +345,12 @@ class RolloutClient:
         up = [u for u in self._urls() if u not in self._down]
         return self.budget.take([u for u in up if u != avoid] or up)
 
-    async def _wait_in_line(self, avoid: str | None) -> str | None:
-        """The server whose slot the pump took for this request, in arrival order; None when no
-        server is up any more."""
-        fut = asyncio.get_running_loop().create_future()
-        entry = (avoid, fut)
-        self._line.append(entry)
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.get_running_loop().create_task(self._pump())
-        try:
-            return await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-                self._release(fut.result())  # granted as this request was cancelled: give it back
-            with contextlib.suppress(ValueError):
-                self._line.remove(entry)
-            raise
-
-    async def _pump(self) -> None:
-        """Grant slots to the line in order: at once for slots this client gives back, every
-        FleetBudget.POLL_S for those of other clients."""
-        while self._line:
-            while self._line:
-                avoid, fut = self._line[0]
-                if fut.done():  # its request was cancelled
-                    self._line.popleft()
-                    continue
-                if not any(u not in self._down for u in self._urls()):
-                    url = None  # back to _pick: probes and the wait for a server
-                else:
-                    url = self._take(avoid)
-                    if url is None:
-                        break
-                self._line.popleft()
-                fut.set_result(url)
-            if not self._line:
-                break
-            self._freed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), self.budget.POLL_S)
-
     async def _back(self, url: str) -> bool:
         """A down server may serve again: its scheduler answers (the watchdog's probe: a hung
         server's HTTP front may still answer /health; /health without the watchdog) and, when
         `expected_version` is set, it holds those weights. A server restarted under the run holds
         its initial checkpoint until the trainer's next push gives it the current weights."""
-        if not await (self._alive(url) if self.stall_timeout is not None else self.server(url).health(timeout=2.0)):
+        if not await (self._watchdog.alive(url) if self._watchdog is not None else self.server(url).health(timeout=2.0)):
             return False
         expected = self.expected_version
         if expected is None:
@@ -613,62 +381,7 @@ class RolloutClient:
 
     def _release(self, url: str) -> None:
         self.budget.give(url)
-        self._freed.set()
-
-    # --- the stall watchdog -------------------------------------------------------------------
-    async def _watched(self, url: str, request: Awaitable[Any]) -> Any:
-        """`request` to `url`, given up (`_Stalled`) as soon as the watchdog finds `url` hung."""
-        if self.stall_timeout is None:
-            return await request
-        loop = asyncio.get_running_loop()
-        if self._watchdog is None or self._watchdog.done() or self._watchdog.get_loop() is not loop:
-            self._watchdog = loop.create_task(self._watch())  # one per client, on its event loop
-        stalled = self._stalled.setdefault(url, asyncio.Event())
-        task = asyncio.ensure_future(request)
-        waiter = asyncio.ensure_future(stalled.wait())
-        try:
-            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            task.cancel()
-            raise
-        finally:
-            waiter.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise _Stalled(f"no sign of life for {self.stall_timeout:.0f}s (stall_timeout)")
-
-    async def _alive(self, url: str) -> bool:
-        """The server's scheduler answers (between two forward batches): /v1/loads, core section."""
-        try:
-            await self.server(url).get("/v1/loads?include=core", timeout=self.stall_poll_s)
-            return True
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            return False
-
-    async def _watch(self) -> None:
-        """Probe every server this client has requests in flight on; one silent for stall_timeout
-        seconds since it last answered (or since it got them) is declared hung."""
-        heard: dict[str, float] = {}  # server -> when it last answered (or became busy)
-        while True:
-            await asyncio.sleep(self.stall_poll_s)
-            busy = [u for u, reqs in self._inflight.items() if reqs and u not in self._down]
-            now = time.monotonic()
-            heard = {u: heard.get(u, now) for u in busy}
-            answers = await asyncio.gather(*(self._alive(u) for u in busy))
-            now = time.monotonic()
-            for u, ok in zip(busy, answers):
-                if ok:
-                    heard[u] = now
-                elif now - heard[u] >= self.stall_timeout:
-                    n = len(self._inflight.get(u, ()))
-                    logger.error("server %s gave no sign of life for %.0fs with %d requests of this client in "
-                                 "flight; marking it down and sending them elsewhere", u, now - heard[u], n)
-                    self._down[u] = now
-                    self._stalled.setdefault(u, asyncio.Event()).set()
+        self._line.freed()
 
     # --- generation -------------------------------------------------------------------------
     async def _attempt(self, url: str, payload: dict, timeout: float, route: str = "/generate",
@@ -677,9 +390,9 @@ class RolloutClient:
         it holds tokens (the caller continues from them)."""
         api = self.server(url)
         try:
-            out = await self._watched(url, api.post(route, payload, timeout=timeout,
-                                                    gate=self._read_gate if route == "/generate" else None))
-        except _Stalled as e:
+            request = api.post(route, payload, timeout=timeout, gate=self._read_gate if route == "/generate" else None)
+            out = await (self._watchdog.watched(url, request) if self._watchdog is not None else request)
+        except Stalled as e:
             if "rid" in payload:  # it may come back to life: the answer must not come back too
                 try:
                     await asyncio.wait_for(api.abort_request(payload["rid"]), 2.0)

@@ -9,7 +9,7 @@ kill, a scheduler that died) is started again with the same command, on the same
 (the slot is taken from the task's Slurm variables again), up to `--restarts` times in the run,
 after a pause that doubles from `--pause` (2 s). The trainer drops an unreachable server from its weight pushes
 and takes it back, with the current weights, at the first push after it answers
-(trainer/rollouts.py); the client does not send it requests before that (rollout/client.py).
+(rollout/fleet.py); the client does not send it requests before that (rollout/client.py).
 
 Not restarted: a server that dies within `--min-uptime` of its start (bad arguments, a model that
 does not fit: restarting would fail the same way), and one that has used up its restarts. The

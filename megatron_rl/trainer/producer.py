@@ -1,6 +1,6 @@
 """The rollout producer: a thread that generates whole steps' shares ahead of the learner.
 
-Each producer rank (the model-parallel leader of a data-parallel rank, trainer/rollouts.py) runs
+Each producer rank (the model-parallel leader of a data-parallel rank, rollout/fleet.py) runs
 one `Producer`. Its thread draws prompts from its own `PromptStream` and produces the share of
 step t's groups for every *target step* t in order, each as soon as the gate admits it:
 
@@ -44,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 
-from megatron_rl.trainer.prompts import PromptStream
+from megatron_rl.data.prompts import PromptStream
 
 
 @dataclasses.dataclass

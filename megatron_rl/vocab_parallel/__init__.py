@@ -20,7 +20,7 @@ from .divergences import (
     vocab_parallel_full_divergence,
     vocab_parallel_topk_divergence,
 )
-from .fused import DIVERGENCES, KERNELS, PolicyStats, vocab_parallel_policy_stats
+from .fused import DIVERGENCES, KERNELS, TOPK_DIVERGENCES, PolicyStats, vocab_parallel_policy_stats
 from .logprobs import (
     DEFAULT_CHUNK_SIZE,
     temperature_scale,
@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "DIVERGENCES",
     "KERNELS",
+    "TOPK_DIVERGENCES",
     "PolicyStats",
     "REST_CLAMP",
     "ShardInfo",

@@ -29,6 +29,7 @@ from .logprobs import DEFAULT_CHUNK_SIZE, vocab_parallel_log_probs_and_entropy
 __all__ = ["DIVERGENCES", "KERNELS", "PolicyStats", "vocab_parallel_policy_stats"]
 
 DIVERGENCES = ("binary_tv", "binary_kl", "topk_tv", "topk_kl")
+TOPK_DIVERGENCES = ("topk_tv", "topk_kl")  # need the rollout's top-K log-probs (rollout.top_k_logprobs)
 KERNELS = ("torch", "triton")
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints at a 30B run's scale of trouble, on two real gloo ranks (trainer/checkpoint.py).
+"""Checkpoints at a 30B run's scale of trouble, on two real gloo ranks (run/checkpoint.py).
 
 TP 2, so that each rank writes shards of its own.
 - An asynchronous save: `save` returns with the shards staged and a forked writer writing them; the
@@ -79,7 +79,7 @@ def _quota_on_this_rank() -> None:
 def worker(rank, world_size, hf_path, root):
     from pathlib import Path
 
-    from megatron_rl.trainer.checkpoint import CheckpointError, Checkpointer, latest_checkpoint, load_checkpoint
+    from megatron_rl.run.checkpoint import CheckpointError, Checkpointer, latest_checkpoint, load_checkpoint
 
     root = Path(root)
     if rank == 1:

@@ -88,7 +88,7 @@ def trainer_worker(rank, world_size, recipe, overrides):
 def save_rollouts(path, cfg, steps: int) -> None:
     """Rollout batches shaped as SGLang's (random tokens; μ of a uniform policy; random routes)."""
     from megatron_rl.rollout.records import RolloutRecord
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     r, tiny = cfg.rollout, cfg.model.tiny

@@ -24,7 +24,7 @@ GROUPS, N, TOL = 4, 3, 1e-6
 def make_batch(moe: bool, num_experts: int = 4, layers: int = 2, k: int = 2):
     """GROUPS x N sequences of very different lengths, as RolloutBatch (+ advantages)."""
     from megatron_rl.rollout.records import RolloutRecord
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.batch import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     records, rewards, gids = [], [], []
@@ -54,7 +54,7 @@ def worker(rank, world_size, hf_path, parallel, moe, budget):
     from megatron_rl.config.schema import JobConfig, ParallelConfig
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
-    from megatron_rl.trainer.batch import rebalance
+    from megatron_rl.batch import rebalance
     from megatron_rl.trainer.policy import PolicyLoss
 
     cfg = JobConfig()
@@ -142,7 +142,7 @@ def exchange_worker(rank, world_size):
     """Rank 0 produced every group, rank 1 none: rebalance, then broadcast rank 0's new batch."""
     import torch.distributed as dist
 
-    from megatron_rl.trainer.batch import RolloutBatch, rebalance
+    from megatron_rl.batch import RolloutBatch, rebalance
 
     whole = make_batch(True)
     whole.seq["mini_batch"] = whole.seq["group_ids"] % 2

@@ -50,7 +50,7 @@ import torch
 
 from megatron_rl.distributed.spawn import run_distributed
 from megatron_rl.models.tiny import make_tiny_checkpoint
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 from tests.e2e.test_trainer import cli, run, server_url, wait_for_checkpoint  # noqa: F401 - fixture
 
 MU_PROMPTS = [[1, 40, 41, 18, 20, 2, 5, 1, 13], [1, 33, 31, 17, 30, 98, 2, 5, 1, 13, 40], [1, 50, 2, 1, 13],

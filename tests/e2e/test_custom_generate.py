@@ -1,7 +1,7 @@
 """Episodes of a user's function (`rollout.generate`) with a real SGLang server on CPU and the
 Megatron learner holding the same weights.
 
-- Through the trainer's own `Rollouts` (client, reward pool): every model token's μ and top-K
+- Through the trainer's own `Fleet` (client, reward pool): every model token's μ and top-K
   row equal the learner's recomputed log-probs (logits / T, fp32); environment tokens have loss
   mask 0 and μ 0 in the learner's batch; a sample's reward is the episode's own when it sets one,
   else data.reward's score of the decoded response, environment tokens included.
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megatron_rl.distributed.spawn import run_distributed
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -67,10 +67,10 @@ def learner_worker(rank, world_size, ckpt, url, run_dir):
 
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.batch import RolloutBatch
     from megatron_rl.trainer.policy import PolicyLoss
-    from megatron_rl.trainer.prompts import load_examples, tokenize
-    from megatron_rl.trainer.rollouts import Rollouts
+    from megatron_rl.data.prompts import load_examples, tokenize
+    from megatron_rl.rollout.fleet import Fleet
     from megatron_rl.vocab_parallel import vocab_parallel_log_probs
 
     # data.reward names this module by module path: its folder on sys.path, which the reward
@@ -80,7 +80,7 @@ def learner_worker(rank, world_size, ckpt, url, run_dir):
     ctx = init_distributed(cfg.parallel)
     tok = AutoTokenizer.from_pretrained(ckpt)
     learner = Learner(cfg, ctx, run_dir=run_dir)
-    rollouts = Rollouts(cfg, ctx, Path(ckpt), tok, Path(run_dir), moe_topk=None)
+    rollouts = Fleet(cfg, ctx, Path(ckpt), tok, Path(run_dir), moe_topk=None)
     examples = load_examples(cfg.data, "train")[:40]  # two prompts that score themselves, one the pool scores
     prompts = tokenize([e for e in examples if int(e.answer) % 2 == 0][:2] + [e for e in examples if int(e.answer) % 2][:1], tok)
     try:
@@ -187,7 +187,7 @@ def test_seeded_episodes_repeat_and_turn_zero_has_the_single_turn_seed(server):
 
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
     from megatron_rl.rollout.episode import sample_episodes
-    from megatron_rl.trainer.prompts import Prompt
+    from megatron_rl.data.prompts import Prompt
 
     ckpt, url = server
     tok = AutoTokenizer.from_pretrained(ckpt)
@@ -261,7 +261,7 @@ def test_moe_episode_routes_replay_to_mu(moe_server):
     replaying them reproduces μ of every model token."""
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
     from megatron_rl.rollout.episode import Episode
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.batch import RolloutBatch
 
     ckpt, url = moe_server
     prompts = [[1, 40, 41, 18, 20, 2, 5, 1, 13], [1, 33, 31, 17, 30, 98, 2, 5, 1, 13, 40]]

@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 
 STEPS = 5
 

@@ -94,10 +94,10 @@ def learner_logits(learner, ctx):
 def train_worker(rank, world_size, root):
     """Every layout's runs (the supervised path, which writes config.yaml and the checkpoint), then
     the trained run's logits from a Learner resumed from its checkpoint at the same layout."""
-    from megatron_rl import lm_demo
+    from megatron_rl.tools import lm_demo
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
-    from megatron_rl.trainer.checkpoint import latest_checkpoint, load_checkpoint
+    from megatron_rl.run.checkpoint import latest_checkpoint, load_checkpoint
 
     out = {}
     for name, (tiny, parallel, runs) in LAYOUTS.items():
@@ -209,7 +209,7 @@ def greedy_reference(hf: Path, cfg, reward_dir: Path) -> dict[str, float]:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_rl.trainer.prompts import load_examples, tokenize
+    from megatron_rl.data.prompts import load_examples, tokenize
 
     spec = importlib.util.spec_from_file_location("reward_ref", reward_dir / "export_eval_reward.py")
     reward = importlib.util.module_from_spec(spec)
@@ -242,7 +242,7 @@ def evaluated_run(runs, tmp_path_factory):
 
 
 def test_eval_of_a_run_matches_transformers_greedy(evaluated_run):
-    from megatron_rl.export import load_run_config
+    from megatron_rl.tools.export import load_run_config
 
     run, tmp, stdout, report = evaluated_run
     hf = run / "export" / "step_00000002"

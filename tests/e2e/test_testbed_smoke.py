@@ -17,7 +17,7 @@ import yaml
 
 from megatron_rl.config.load import load_config, to_object
 from megatron_rl.models.base import ensure_base_model
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # A short base stage (no early stop), a small batch that still has 8 mini-batches, a small eval.

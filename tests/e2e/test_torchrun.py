@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from megatron_rl.rollout.server import free_port
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

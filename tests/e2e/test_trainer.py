@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.trainer.metrics import read_metrics
+from megatron_rl.run.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -217,7 +217,7 @@ def test_overlong_shaping_and_filter_through_the_loop(server_url, tmp_path):
 
     d = tmp_path / "overlong"
     run(d, server_url, "trainer.steps=1", "trainer.mode=rollout_only", "rollout.max_new_tokens=3")
-    from megatron_rl.trainer.batch import RolloutBatch
+    from megatron_rl.batch import RolloutBatch
 
     path = d / "rollouts" / "step_00000000.dp0.pt"
     batch, metrics = RolloutBatch.load(path)

@@ -15,7 +15,7 @@ from megatron_rl.config.load import load_config, to_object
 from megatron_rl.data.datasets import DataError
 from megatron_rl.data.sources import DAPO_TEMPLATE, SOURCES, convert
 from megatron_rl.rewards.math import math_verify_reward
-from megatron_rl.trainer.prompts import load_examples
+from megatron_rl.data.prompts import load_examples
 
 COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 DAPO_PROMPT = DAPO_TEMPLATE.format(problem="What is 3+4?")

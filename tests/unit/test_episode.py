@@ -12,7 +12,7 @@ import torch
 
 from megatron_rl.rollout.episode import Episode, EpisodeError, load_episode_fn, sample_episodes
 from megatron_rl.rollout.records import RolloutRecord
-from megatron_rl.trainer import batch as batching
+from megatron_rl import batch as batching
 
 K, L, KR = 3, 2, 2  # top-K width, MoE layers, router top-k
 
@@ -183,7 +183,7 @@ def test_validate_resolves_rollout_generate():
     from pathlib import Path
 
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     example = Path(__file__).resolve().parents[2] / "examples" / "calculator_tool.py"
     validate(to_object(load_config("calculator_tool_cpu", [f"rollout.generate={example}:generate"])))

@@ -1,4 +1,4 @@
-"""The fleet's admission (rollout/fleet.py): one budget of slots per server for every client of a
+"""The fleet's admission (rollout/admission.py): one budget of slots per server for every client of a
 job, counted in a real c10d TCPStore, against stand-in SGLang servers (test_records.FakeSGLang)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from test_records import PROMPTS, FakeSGLang
 
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
-from megatron_rl.rollout.fleet import FleetBudget, LocalCounts, derived_capacity
+from megatron_rl.rollout.admission import FleetBudget, LocalCounts, derived_capacity
 
 
 def test_derived_capacity_from_the_servers_kv_pool():

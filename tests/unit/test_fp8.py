@@ -160,7 +160,7 @@ def test_fp8_checkpoint_of_a_tiny_qwen3_moe(tmp_path):
 def test_config_and_the_flags_fp8_implies():
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.rollout import placement
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     cfg = to_object(load_config("tiny_cpu", ["rollout.quantization=fp9"]))
     with pytest.raises(ValueError, match="valid: none, fp8"):
@@ -176,7 +176,7 @@ def test_a_gpu_recipes_own_servers_get_fp8_serving():
     """The one-GPU recipe starts its own server (rank 0, GPU 1): with FP8 rollouts on CUDA it is
     started with SGLang's FP8 serving; on CPU servers the pushes round instead and no flag is added."""
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.trainer.rollouts import server_extra_args
+    from megatron_rl.rollout.servers import server_extra_args
 
     recipe = "dppo_binary_tv_qwen3_1p7b_base_gsm8k"
     cuda = to_object(load_config(recipe, ["rollout.quantization=fp8", "rollout.device=cuda"]))

@@ -1,4 +1,4 @@
-"""The loop's operations (trainer/operations.py): the job's end, and the decision between two steps.
+"""The loop's operations (run/operations.py): the job's end, and the decision between two steps.
 
 Independent reference: the arithmetic written out here (end − now against the longest recent step
 + the last save + the margin); the Slurm end time as squeue prints it, parsed by the standard
@@ -15,7 +15,7 @@ import types
 import pytest
 
 from megatron_rl.config.schema import TrainerConfig
-from megatron_rl.trainer.operations import JobClock, Operations, parse_end_time
+from megatron_rl.run.operations import JobClock, Operations, parse_end_time
 
 
 def test_parse_end_time():
@@ -136,7 +136,7 @@ def test_storage_check_refuses_what_does_not_fit(tmp_path):
     import json
 
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.trainer.checkpoint import storage_check
+    from megatron_rl.run.checkpoint import storage_check
 
     (tmp_path / "q3").mkdir()
     (tmp_path / "q3" / "config.json").write_text(json.dumps(dict(  # Qwen3-30B-A3B's shape

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.trainer.producer import Producer, ProducerStopped, StepShare, StoreSum
-from megatron_rl.trainer.prompts import Prompt, PromptStream
+from megatron_rl.data.prompts import Prompt, PromptStream
 
 
 def stream() -> PromptStream:

@@ -781,7 +781,7 @@ def test_with_no_other_server_up_a_restarted_one_serves_with_its_version_recorde
 
 
 def test_generate_until_a_deadline_returns_what_finished_and_aborts_the_rest():
-    """eval.timeout's generation (Rollouts.evaluate): sample (0, 1) is still decoding at the 0.5 s
+    """eval.timeout's generation (Fleet.evaluate): sample (0, 1) is still decoding at the 0.5 s
     deadline: the other samples come back by prompt and sample index, that one is counted missing,
     its request is aborted on the server, and the call returns at the deadline, not after it."""
     aborted = asyncio.Event()

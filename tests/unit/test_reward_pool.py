@@ -585,7 +585,7 @@ def test_batched_marker_and_bad_marks(tmp_path):
 ])
 def test_validate_resolves_the_reward_before_workers_start(override, message):
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config("tiny_cpu", [override])))

@@ -1,4 +1,4 @@
-"""One run per folder (trainer/run_dir.py), `compare`'s reuse of finished runs, and Ctrl-C.
+"""One run per folder (run/run_dir.py), `compare`'s reuse of finished runs, and Ctrl-C.
 
 The run folders here are what `train` leaves: a checkpoint folder holding the configuration that
 wrote it (written by the same function the trainer calls) and the `latest` marker; the checks read
@@ -17,10 +17,10 @@ import pytest
 
 from megatron_rl import cli
 from megatron_rl.config.load import load_config, to_object
-from megatron_rl.trainer.compare import reusable
-from megatron_rl.trainer.run_dir import (ResumeMismatch, as_dict, check_resume, config_text, differences,
+from megatron_rl.tools.compare import reusable
+from megatron_rl.run.run_dir import (ResumeMismatch, as_dict, check_resume, config_text, differences,
                                          nothing_to_do, write_checkpoint_config, write_run_config)
-from megatron_rl.trainer.signals import StopRequest
+from megatron_rl.run.signals import StopRequest
 
 
 def job(out_dir, *overrides):
@@ -140,7 +140,7 @@ def test_compare_keeps_only_runs_of_its_own_configuration(tmp_path):
     keep, why = reusable(run, 30, as_dict(job(run, "algorithm=dppo_binary_tv", "trainer.steps=30")))
     assert not keep and "trainer.steps: 40 -> 30" in why  # its metrics have 40 steps, not the 30 asked
     assert reusable(tmp_path / "nothing", 40, same) == (False, "not finished")
-    from megatron_rl.trainer.compare import default_out
+    from megatron_rl.tools.compare import default_out
 
     assert default_out("tiny_cpu") != default_out("testbed_cpu") and default_out("testbed_cpu").name == "testbed_cpu"
 
@@ -171,7 +171,7 @@ def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
 def test_a_logger_asked_for_but_not_installed_is_named_before_the_start(tmp_path, monkeypatch, capsys):
     import importlib.util
 
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb")
@@ -185,7 +185,7 @@ def test_a_logger_asked_for_but_not_installed_is_named_before_the_start(tmp_path
 
 
 def test_every_resume_logs_into_the_same_wandb_run(tmp_path):
-    from megatron_rl.trainer.metrics import wandb_run_id
+    from megatron_rl.run.metrics import wandb_run_id
 
     first = wandb_run_id(tmp_path, fresh=True)
     assert wandb_run_id(tmp_path, fresh=False) == wandb_run_id(tmp_path, fresh=False) == first
@@ -195,7 +195,7 @@ def test_every_resume_logs_into_the_same_wandb_run(tmp_path):
 
 def test_the_plain_step_line_says_where_the_run_is_and_when_it_ends(tmp_path, capsys, monkeypatch):
     from megatron_rl.config.schema import TrainerConfig
-    from megatron_rl.trainer.metrics import MetricsLogger
+    from megatron_rl.run.metrics import MetricsLogger
 
     log = MetricsLogger(tmp_path, TrainerConfig(progress=False, steps=60), enabled=True, start_step=10, run_name="t")
     t = [100.0]
@@ -238,7 +238,7 @@ def test_dry_run_checks_the_run_folder_before_a_launcher_starts_anything(tmp_pat
 def test_curves_are_two_rows_and_the_mismatch_stands_alone(tmp_path):
     import matplotlib.image
 
-    from megatron_rl.trainer.plot import PANELS, plot_run
+    from megatron_rl.run.curves import PANELS, plot_run
 
     rows = [{"step": -1, "eval/mean@4": 0.1}] + [
         {"step": s, "rollout/accuracy": s / 10, "eval/mean@4": s / 10, "entropy/mean": 1.0,

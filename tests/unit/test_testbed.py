@@ -13,7 +13,7 @@ from megatron_rl.config.load import load_config, to_object
 from megatron_rl.data.synthetic import column_addition, final_answer, is_correct, make_problems
 from megatron_rl.models.base import base_dir, base_spec
 from megatron_rl.rewards import get_reward
-from megatron_rl.trainer.compare import collapse_events, parse_methods, smoothed
+from megatron_rl.tools.compare import collapse_events, parse_methods, smoothed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 

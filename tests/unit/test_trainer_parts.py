@@ -13,8 +13,8 @@ import torch
 
 from megatron_rl.config.load import ConfigError, available_recipes, load_config, to_object
 from megatron_rl.rollout.records import RolloutRecord
-from megatron_rl.trainer import batch as batching
-from megatron_rl.trainer.prompts import Prompt, PromptStream
+from megatron_rl import batch as batching
+from megatron_rl.data.prompts import Prompt, PromptStream
 
 
 def record(prompt, response, logp, topk=None, routes=None, i=0, j=0, finish="stop"):
@@ -183,7 +183,7 @@ def test_prompt_stream_resume_is_exact():
 def test_prompts_are_rendered_when_drawn_as_tokenize_renders_them():
     from megatron_rl.data.datasets import PromptExample
     from megatron_rl.models.tiny import build_char_tokenizer
-    from megatron_rl.trainer.prompts import TokenizedPrompts, tokenize
+    from megatron_rl.data.prompts import TokenizedPrompts, tokenize
 
     tok = build_char_tokenizer()
     examples = [PromptExample(messages=({"role": "user", "content": f"q{i}"},), answer=str(i), source="", origin=f"f:{i}")
@@ -200,7 +200,7 @@ def test_prompts_are_rendered_when_drawn_as_tokenize_renders_them():
 
 def test_metrics_logger_drops_rows_from_resumed_step(tmp_path):
     from megatron_rl.config.schema import TrainerConfig
-    from megatron_rl.trainer.metrics import MetricsLogger, read_metrics
+    from megatron_rl.run.metrics import MetricsLogger, read_metrics
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "x": s}) + "\n" for s in range(-1, 6)))
     log = MetricsLogger(tmp_path, TrainerConfig(progress=False), enabled=True, start_step=3, run_name="t")
@@ -330,7 +330,7 @@ def test_paper_recipes_keep_the_papers_settings():
 
 
 def test_loss_kwargs_typo_names_the_valid_arguments():
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     job = to_object(load_config("tiny_cpu", ["+algorithm.loss_kwargs.detla=0.2"]))
     with pytest.raises(ValueError, match=r"loss_kwargs.detla .* valid: .*delta"):
@@ -372,7 +372,7 @@ def test_missing_dataset_and_unknown_recipe_fail_fast(tmp_path):
 
 
 def test_validate_rejects_inconsistent_algorithm():
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     job = to_object(load_config("tiny_cpu", ["algorithm=dppo_topk_tv"]))
     with pytest.raises(ValueError, match="top_k_logprobs"):
@@ -429,7 +429,7 @@ def test_gae_with_kl_in_reward_matches_float64_reference():
     token − coef·k1(μ, π_ref) on every response token, then GAE over the critic's values."""
     from types import SimpleNamespace
 
-    from megatron_rl.trainer.loop import Trainer
+    from megatron_rl.trainer.stages import Stages
 
     job = to_object(load_config("ppo_gae_tiny_cpu", ["algorithm.advantage_kwargs.gamma=0.9", "algorithm.advantage_kwargs.lam=0.8",
                                                        "+algorithm.advantage_kwargs.whiten=false"]))
@@ -439,7 +439,7 @@ def test_gae_with_kl_in_reward_matches_float64_reference():
     b = build(recs, [1.0, 0.5])
     b["ref_logp"] = torch.randn(b["loss_mask"].shape, generator=g) * b["loss_mask"]
     b["old_values"] = torch.randn(b["loss_mask"].shape, generator=g)
-    metrics = Trainer.compute_advantages(SimpleNamespace(cfg=job, ctx=SimpleNamespace(dp=1),
+    metrics = Stages.compute_advantages(SimpleNamespace(cfg=job, ctx=SimpleNamespace(dp=1),
                                                          _mean=lambda total, n: total / max(n, 1)), b)
     coef, gamma, lam = 0.01, 0.9, 0.8
     for i, r in enumerate(recs):
@@ -468,7 +468,7 @@ def test_gae_with_kl_in_reward_matches_float64_reference():
     ("tiny_cpu", "data.reward=none", "data.reward=none .* needs reward_model.enabled"),
 ])
 def test_validate_rejects_inconsistent_ppo_settings(recipe, override, message):
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config(recipe, [override])))
@@ -497,7 +497,7 @@ def test_padding_routes_spread_evenly_over_experts():
     ("eval.servers=-1", "eval.servers=-1: servers an evaluation holds"),
 ])
 def test_data_path_settings_are_checked(override, message):
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config("tiny_cpu", [override])))
@@ -505,7 +505,7 @@ def test_data_path_settings_are_checked(override, message):
 
 def test_eval_metrics_with_and_without_missing_samples():
     """What an evaluation cut by eval.timeout reports, against the arithmetic written out."""
-    from megatron_rl.trainer.rollouts import eval_metrics
+    from megatron_rl.rollout.fleet import eval_metrics
 
     full = [[0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]
     assert eval_metrics(full, 2) == {"eval/mean@2": 0.5, "eval/pass@2": 2 / 3}
@@ -518,7 +518,7 @@ def test_eval_metrics_with_and_without_missing_samples():
 def test_learner_loss_kernel_is_checked_and_reaches_the_policy_stats():
     """learner.loss_kernel: a typo names the valid kernels; triton where it cannot be imported is
     refused before the start (it is kept off this CPU venv's path); PolicyLoss hands the choice on."""
-    from megatron_rl.trainer.loop import validate
+    from megatron_rl.trainer.preflight import validate
     from megatron_rl.trainer.policy import PolicyLoss
 
     with pytest.raises(ValueError, match="valid: torch, triton"):

@@ -1,7 +1,7 @@
 """A weight push that finds a server gone before it sends anything (the server died between the
 trainer's restart check and the push): both transports raise ServersUnreachable without touching
 the tensors (so the trainer restarts the server and pushes the same export again,
-trainer/rollouts.py `sync_weights`), and the servers that had begun an update are told to end it.
+rollout/fleet.py `sync_weights`), and the servers that had begun an update are told to end it.
 The trainer-level path runs in tests/e2e/test_async_training.py (a killed server mid-run)."""
 
 from __future__ import annotations
@@ -90,12 +90,12 @@ def test_a_refusal_is_not_taken_for_a_gone_server():
 
 
 def test_servers_are_asked_their_version_all_at_once(monkeypatch):
-    """Before a push rank 0 asks every configured server its weight version (`_answering`); the
+    """Before a push rank 0 asks every configured server its weight version (`answering`); the
     ones that do not answer cost one timeout together, not one each."""
     import time
     import types
 
-    from megatron_rl.trainer.rollouts import Rollouts
+    from megatron_rl.rollout.pushes import WeightPushes
     from megatron_rl.weights import endpoint
 
     def get(self, path, timeout=60.0):
@@ -106,9 +106,9 @@ def test_servers_are_asked_their_version_all_at_once(monkeypatch):
         return {"weight_version": self.url.rsplit(":", 1)[1]}
 
     monkeypatch.setattr(endpoint.ServerEndpoint, "get", get)
-    r = object.__new__(Rollouts)
+    r = object.__new__(WeightPushes)
     urls = ["http://a:3", "http://dead1:1", "http://dead2:1", "http://dead3:1", "http://b:4"]
     r.cfg = types.SimpleNamespace(rollout=types.SimpleNamespace(server_urls=urls))
     start = time.monotonic()
-    assert r._answering(wait_s=0) == {"http://a:3": "3", "http://b:4": "4"}
+    assert r.answering(wait_s=0) == {"http://a:3": "3", "http://b:4": "4"}
     assert time.monotonic() - start < 1.2  # 3 dead servers one after another: 1.5 s

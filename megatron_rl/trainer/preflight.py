@@ -1,0 +1,215 @@
+"""Every check a run passes before anything starts, in one place: `megatron-rl dry-run` and `train`
+call the same `preflight`, so the trainer's constructor only builds.
+
+In the order a user meets the failures:
+- the Python and its GPU (`check_gpu_python`: a GPU recipe on a Python without CUDA);
+- the layout (`check_layout`: heads, KV heads, MLP vs TP, layers vs PP/VPP, experts vs EP);
+- the configuration (`validate`: algorithm arguments, registries, rollout and evaluation settings,
+  the placement of the servers), which needs no process group;
+- the data files (`check_data_files`);
+- the run folder (`check_resume`: it holds this run or none; `nothing_to_do`: a finished run);
+- storage (`storage_check`: the checkpoints fit the quota and the disk).
+Each check lives with its owner (models/layout.py, rollout/placement.py, run/...); this module only
+calls them, so a new setting's check is written beside the code that reads it and added here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+from typing import Optional
+
+from megatron_rl.algorithms.registry import get
+from megatron_rl.config.schema import JobConfig
+from megatron_rl.run.run_dir import Resume
+from megatron_rl.vocab_parallel import TOPK_DIVERGENCES
+
+
+def _check_kwargs(field: str, given, kind: str, name: str, tensors: tuple[str, ...],
+                  extra: tuple[str, ...] = ()) -> None:
+    """`algorithm.<field>` may set only keyword-only arguments of the registered `kind` function
+    `name` (the `tensors` among them come from the trainer) and `extra`."""
+    params = inspect.signature(get(kind.replace(" ", "_"), name)).parameters
+    valid = sorted(k for k, p in params.items() if p.kind is p.KEYWORD_ONLY and k not in tensors)
+    valid += list(extra)
+    for k in given:
+        if k not in valid:
+            raise ValueError(f"algorithm.{field}.{k} is not an argument of {kind} {name!r}; "
+                             f"valid: {', '.join(valid) or '(none)'}")
+
+
+def validate(cfg: JobConfig) -> None:
+    """Config checks that need no process group (also run by `dry-run`)."""
+    a, r = cfg.algorithm, cfg.rollout
+    _check_kwargs("loss_kwargs", a.loss_kwargs, "policy loss", a.policy_loss,
+                  tensors=("divergence", "old_logp", "response_mask"),
+                  extra=("entropy_eps",) if a.policy_loss == "aspo" else ())
+    _check_kwargs("advantage_kwargs", a.advantage_kwargs, "advantage", a.advantage,
+                  tensors=("group_ids_B", "values_BT"))
+    from megatron_rl.vocab_parallel import DIVERGENCES
+
+    if a.divergence is not None and a.divergence not in DIVERGENCES:
+        raise ValueError(f"algorithm.divergence={a.divergence!r}; valid: {', '.join(DIVERGENCES)} (or null)")
+    for key, kind, name in (("agg_mode", "aggregation", a.agg_mode), ("correction", "correction", a.correction)):
+        if name:
+            try:
+                get(kind, name)
+            except ValueError as e:
+                raise ValueError(f"algorithm.{key}: {e}") from None
+    if a.router_replay not in ("none", "r2", "r3"):
+        raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
+    if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
+        raise ValueError(f"algorithm.divergence={a.divergence} needs rollout.top_k_logprobs > 0 (e.g. 20)")
+    if a.correction and not a.recompute_old_logp:
+        raise ValueError(f"algorithm.correction={a.correction} needs algorithm.recompute_old_logp=true")
+    get("kl", a.kl_estimator)
+    if a.kl_in_reward and not a.kl_coef:
+        raise ValueError("algorithm.kl_in_reward=true needs algorithm.kl_coef > 0")
+    if a.advantage == "gae":
+        get("value_loss", cfg.critic.value_loss)
+    rm = cfg.reward_model
+    if cfg.data.reward == "none" and not rm.enabled:
+        raise ValueError("data.reward=none (no rule reward) needs reward_model.enabled=true")
+    if rm.enabled:
+        from megatron_rl.rewards.model_rewards import NORMALIZE
+
+        if rm.backend not in ("megatron", "sglang"):
+            raise ValueError(f"reward_model.backend={rm.backend!r}; valid: megatron, sglang")
+        if rm.normalize not in NORMALIZE:
+            raise ValueError(f"reward_model.normalize={rm.normalize!r}; valid: {', '.join(NORMALIZE)}")
+        if r.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling filters groups by their rule rewards before the "
+                             "reward model scores them; it cannot be combined with reward_model.enabled")
+    if a.overlong_buffer and not 0 < a.overlong_buffer <= r.max_new_tokens:
+        raise ValueError(f"algorithm.overlong_buffer={a.overlong_buffer} must lie in 1..rollout.max_new_tokens "
+                         f"({r.max_new_tokens}): the punishment ramps over the last overlong_buffer tokens")
+    for name in ("rollout_wait_timeout", "rollout_wait_log_every"):
+        if getattr(cfg.trainer, name) <= 0:
+            raise ValueError(f"trainer.{name}={getattr(cfg.trainer, name)} must be > 0 (seconds)")
+    if cfg.data.reward_workers < 1 or cfg.data.reward_timeout <= 0:
+        raise ValueError(f"data.reward_workers={cfg.data.reward_workers} must be >= 1 and data.reward_timeout="
+                         f"{cfg.data.reward_timeout} > 0 (rewards are scored in worker processes, each call "
+                         "killed past the timeout)")
+    from megatron_rl.rewards import get_reward, reward_kind
+    from megatron_rl.rewards.pool import ON_ERROR
+
+    if cfg.data.reward_on_error not in ON_ERROR:
+        raise ValueError(f"data.reward_on_error={cfg.data.reward_on_error!r}; valid: {', '.join(ON_ERROR)}")
+    # The reward resolves here, in the parent, with plugins' error (a missing module or function),
+    # before any reward worker starts.
+    reward_kind(get_reward(cfg.data.reward), cfg.data.reward)
+    if r.max_inflight_per_server < 0 or (r.request_timeout is not None and r.request_timeout <= 0):
+        raise ValueError(f"rollout.max_inflight_per_server={r.max_inflight_per_server} must be >= 0 (0: derived) and "
+                         f"rollout.request_timeout={r.request_timeout} null (no total timeout) or > 0")
+    if r.stall_timeout is not None and not r.stall_timeout > 0:
+        raise ValueError(f"rollout.stall_timeout={r.stall_timeout}: seconds > 0, or null for no watchdog "
+                         "(then rollout.request_timeout, or one derived from max_new_tokens, bounds each request)")
+    if cfg.learner.max_tokens_per_micro_batch < 0:
+        raise ValueError(f"learner.max_tokens_per_micro_batch={cfg.learner.max_tokens_per_micro_batch}; "
+                         "valid: 0 (micro_batch_size sequences per micro-batch) or a positive token budget")
+    if r.prompts_per_step % a.mini_batches:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by "
+                         f"algorithm.mini_batches={a.mini_batches} (mini-batches hold whole groups)")
+    from megatron_rl.models.bridge import SPECS
+
+    if cfg.model.spec not in SPECS:
+        raise ValueError(f"model.spec={cfg.model.spec!r}; valid: {', '.join(SPECS)}")
+    if r.generate:  # a missing module or function, or one that is not async, fails here (dry-run too)
+        from megatron_rl.rollout.episode import load_episode_fn
+
+        load_episode_fn(r.generate)
+        if a.overlong_buffer:
+            raise ValueError("algorithm.overlong_buffer ramps a penalty up to rollout.max_new_tokens, the length "
+                             "of one sampled response; an episode of rollout.generate has several turns and "
+                             "environment tokens, which that bound does not describe")
+    for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if getattr(cfg.trainer, flag) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"trainer.{flag}=true needs the {package} package, which is not installed: "
+                             f"pip install -e '.[loggers]' (tensorboard and wandb), or pip install {package}")
+    from megatron_rl.vocab_parallel import KERNELS
+    from megatron_rl.weights.fp8 import QUANTIZATIONS
+
+    if cfg.learner.loss_kernel not in KERNELS:
+        raise ValueError(f"learner.loss_kernel={cfg.learner.loss_kernel!r}; valid: {', '.join(KERNELS)}")
+    if cfg.learner.loss_kernel == "triton" and importlib.util.find_spec("triton") is None:
+        raise ValueError("learner.loss_kernel=triton needs the triton package, which is not importable here "
+                         "(it comes with CUDA builds of torch); learner.loss_kernel=torch runs everywhere")
+
+    if r.quantization not in QUANTIZATIONS:
+        raise ValueError(f"rollout.quantization={r.quantization!r}; valid: {', '.join(QUANTIZATIONS)}")
+    if cfg.trainer.max_staleness < 0:
+        raise ValueError(f"trainer.max_staleness={cfg.trainer.max_staleness} must be >= 0 (0: synchronous)")
+    if r.partial_rollouts and (cfg.trainer.max_staleness < 1 or cfg.trainer.mode != "train"):
+        raise ValueError("rollout.partial_rollouts=true cuts generation in flight at a weight push; it needs "
+                         "trainer.max_staleness >= 1 and trainer.mode=train (synchronously nothing is in flight "
+                         "at a push)")
+    e, t = cfg.eval, cfg.trainer
+    if e.timeout is not None and not 0 < e.timeout < t.rollout_wait_timeout:
+        raise ValueError(f"eval.timeout={e.timeout}: seconds, more than 0 and less than trainer.rollout_wait_timeout="
+                         f"{t.rollout_wait_timeout:g} (the other ranks wait that long for the evaluation)")
+    # The launcher passes a disaggregated layout's servers (rollout.server_urls) at launch.
+    servers = len(r.server_urls) if r.server_urls else None if r.placement == "disaggregated" else r.num_servers
+    if e.servers < 0 or (e.servers and servers is not None and e.servers >= servers):
+        raise ValueError(f"eval.servers={e.servers}: servers an evaluation holds beside training, fewer than the "
+                         f"{servers} rollout servers (at least one must serve training), or 0 to evaluate on all "
+                         "of them between steps")
+    if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
+        raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
+    if cfg.trainer.mode != "train_only":  # train_only contacts no server
+        from megatron_rl.rollout.placement import check_placement
+
+        check_placement(cfg)
+
+
+@dataclasses.dataclass
+class Ready:
+    """What the checks found: where the run resumes, whether it has nothing to do (what to say
+    then), and the storage line (what its checkpoints take, what is free)."""
+    resume: Resume
+    idle: Optional[str]
+    storage: Optional[str]
+
+
+def as_run(cfg: JobConfig) -> JobConfig:
+    """The configuration the run folder records: `cfg`, or, for a run that builds its supervised base
+    model first (`model.base.sft_steps > 0` and no `model.hf_path`), `cfg` with the path `train` will
+    find that base at (built later, outside the checks)."""
+    if cfg.model.hf_path is not None or cfg.model.base.sft_steps <= 0:
+        return cfg
+    import copy
+
+    from megatron_rl.models.base import base_dir
+
+    run = copy.deepcopy(cfg)
+    run.model.hf_path = str(base_dir(cfg) / "hf")
+    return run
+
+
+def preflight(cfg: JobConfig, *, command: str = "train") -> Ready:
+    """Every check of a run before any process group, model or server exists (the module's
+    docstring lists them); `cfg`'s hub ids become local folders on the way. `command="train-lm"`:
+    no RL run folder, so no resume or storage checks. Raises ValueError (ConfigError,
+    ResumeMismatch) naming what to change."""
+    from megatron_rl.data.prompts import check_data_files
+    from megatron_rl.distributed.context import check_gpu_python
+    from megatron_rl.models.hub import resolve_model_paths
+    from megatron_rl.models.layout import check_layout
+
+    check_gpu_python(cfg)  # in a Slurm job: a GPU recipe on a Python without CUDA fails here, named
+    resolve_model_paths(cfg)  # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
+    check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
+    validate(cfg)
+    check_data_files(cfg.data)
+    if command != "train":
+        return Ready(Resume(None), None, None)
+    from megatron_rl.run.checkpoint import storage_check
+    from megatron_rl.run.run_dir import check_resume, nothing_to_do
+
+    run = as_run(cfg)
+    resume = check_resume(run)  # a resume of another experiment fails here, not after the queue
+    idle = nothing_to_do(run, resume)
+    storage, problems = storage_check(run)  # a full quota found by the first save, hours in, is found now
+    if problems:
+        raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))
+    return Ready(resume, idle, storage)
