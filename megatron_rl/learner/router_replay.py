@@ -124,8 +124,9 @@ class RouterReplayController:
         # which would load one expert-parallel rank with every padding token.
         missing = (r < 0).any(dim=-1)
         self._valid[moe_index] = ~missing
-        if missing.any():
-            r = torch.where(missing[:, None], padding_routes(r.shape[0], k, self.num_experts, r.device), r)
+        # Unconditionally (no `missing.any()`): a branch on it would synchronise with the host once
+        # per MoE layer and micro-batch.
+        r = torch.where(missing[:, None], padding_routes(r.shape[0], k, self.num_experts, r.device), r)
         return r
 
     def before_forward(self, chunk_idx: int, mb: dict) -> None:

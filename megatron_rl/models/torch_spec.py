@@ -20,16 +20,34 @@ submodules swapped:
   Megatron's gated act (SwiGLU: silu(gate) * up on fc1's two halves), i.e. exactly
   `SequentialMLP` (the local spec's experts). The weights stay the local spec's parameters
   (`local_experts.E.linear_fc1.weight` [2F/ETP, H], `...linear_fc2.weight` [H, F/ETP]), so loading,
-  exporting and checkpointing are the local spec's; each projection stacks them to [E, out, in]
-  and runs one grouped GEMM (`torch._grouped_mm`, offsets = cumulative tokens per expert) on CUDA
-  devices of compute capability 9.0+ in bf16 with 16-byte-aligned rows, and an exact loop of one
-  matmul per expert elsewhere (CPU, fp32, older GPUs). The stack copies each layer's expert
-  weights once in the forward and once more in the backward (the backward's copy is made there,
-  not kept from the forward); its gradient splits back into the per-expert parameters.
+  exporting and checkpointing are the local spec's; but their storage is one [E, out, in] tensor
+  per projection (each parameter a view of row e, re-homed whenever the module is moved or cast),
+  so the grouped GEMM reads the stack in place: no copy per step. One grouped GEMM per projection
+  (`torch._grouped_mm`, offsets = cumulative tokens per expert, on the device) on CUDA devices of
+  compute capability 9.0+ in bf16 with 16-byte-aligned rows; an exact loop of one matmul per
+  expert elsewhere (CPU, fp32, older GPUs). Where something rebinds a parameter's storage (the
+  distributed optimizer's parameter buffer) the stack is a copy again, made in the forward and
+  once more in the backward (never kept in between).
+- MoE layer -> `TorchMoELayer`: megatron-core's `MoELayer` (router, R3 replay, aux losses,
+  recompute, shared experts as they are) whose token dispatcher, where no token leaves the rank
+  (expert-parallel size 1, expert-tensor-parallel size 1), is `SortedTokenDispatcher`: the
+  permutation is computed on the device from the router's map, with static sizes (T·k rows,
+  dropless top-k), so a layer's forward and backward make no host synchronisation (megatron-core's
+  unfused dispatcher makes several per layer: `masked_select`, the token counts copied to the
+  host for `torch.split`, an event wait). Permute = one gather of token rows (the k copies of a
+  token are k rows), un-permute = one gather and a sum over each token's k rows (in expert order,
+  as megatron-core's scatter-add adds them; deterministic, no atomics), each the other's adjoint.
+  With EP > 1 or ETP > 1 megatron-core's all-to-all dispatcher stays: a variable-size all-to-all
+  needs its split sizes on the host, one synchronisation per layer that no dispatcher avoids
+  without padding to capacity.
 
 Not supported (an error at build time, not a silent difference): context parallelism, sliding
 window attention, softmax offsets ("off-by-one"/"learnable"), attention bias, FP8/FP4 experts,
-expert biases.
+expert biases; with `SortedTokenDispatcher`, token dropping (capacity factor), padding to
+capacity or for quantization, and overlapping shared experts with the dispatch.
+
+Shapes: T tokens of a micro-batch on this rank, k = router top-k, J = T·k routed rows, E local
+experts, H hidden size, F expert FFN size.
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
@@ -99,7 +118,8 @@ class SDPAttention(MegatronModule):
         # Dropout in attention draws from the tensor-parallel RNG like the local spec's.
         rng = (tensor_parallel.get_cuda_rng_tracker().fork()
                if dropout_p > 0 and not self.config.sequence_parallel else nullcontext())
-        with rng:
+        # The range names this time in a profile (tests/gpu/gpu_profile.py); it costs no sync.
+        with rng, torch.profiler.record_function("attention"):
             if packed_seq_params is not None:
                 return self._packed(query, key, value, packed_seq_params, dropout_p)
             mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -185,24 +205,29 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
         d % 8 == 0 for w in (x, *weights) for d in w.shape[1:])
 
 
-def grouped_linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: list[int],
-                   offsets: Optional[torch.Tensor] = None, *, grouped: bool) -> torch.Tensor:
+def grouped_linear(x_TK: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert,
+                   offsets: Optional[torch.Tensor] = None, *, grouped: bool,
+                   stacked: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y[rows of expert e] = x[rows of expert e] @ weights[e]ᵀ: x [T, K] with rows contiguous per
     expert (counts `tokens_per_expert`, summing to T), weights[e] [N, K] (a Linear's [out, in]);
-    -> [T, N]. `grouped`: the weights stacked to [E, N, K] and one `torch._grouped_mm` call
-    (`offsets` = int32 cumulative counts on x's device); else one matmul per expert on the
-    weights themselves.
+    -> [T, N]. `grouped`: one `torch._grouped_mm` call over the weights as [E, N, K] (`offsets` =
+    int32 cumulative counts on x's device; made from the counts if not given); else one matmul per
+    expert on the weights themselves (the counts are then needed on the host).
 
-    The stack is a copy; autograd would keep it for the input's gradient until the backward,
-    one copy of every layer's expert weights per micro-batch in flight. It keeps a recipe
-    instead (the weights, which do not change before the optimizer step) and stacks them
+    `stacked`: the weights' own storage as [E, N, K] (`_stacked_view`), read in place. Without it
+    the weights are stacked, a copy; autograd would keep it for the input's gradient until the
+    backward, one copy of every layer's expert weights per micro-batch in flight. It keeps a
+    recipe instead (the weights, which do not change before the optimizer step) and stacks them
     again in the backward."""
     if not grouped:
-        outs = [x_e @ w.t() for x_e, w in zip(torch.split(x_TK, tokens_per_expert), weights)]
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        outs = [x_e @ w.t() for x_e, w in zip(torch.split(x_TK, counts), weights)]
         return torch.cat(outs) if outs else x_TK.new_zeros(0, weights[0].shape[0])
-    w_ENK = torch.stack(list(weights))
     if offsets is None:
-        offsets = torch.tensor(tokens_per_expert, device=x_TK.device).cumsum(0).to(torch.int32)
+        offsets = torch.as_tensor(tokens_per_expert, device=x_TK.device).cumsum(0).to(torch.int32)
+    if stacked is not None:
+        return torch._grouped_mm(x_TK, stacked.transpose(-2, -1), offs=offsets)
+    w_ENK = torch.stack(list(weights))
     with torch.autograd.graph.saved_tensors_hooks(*_restack_hooks(w_ENK, weights)):
         return torch._grouped_mm(x_TK, w_ENK.transpose(-2, -1), offs=offsets)
 
@@ -234,9 +259,38 @@ class _Restack(NamedTuple):
     offset: int
 
 
+class _StackedParams(torch.autograd.Function):
+    """The per-expert parameters as the [E, N, K] tensor that holds their storage, without a copy;
+    its gradient goes back to each parameter (row e)."""
+
+    @staticmethod
+    def forward(ctx, holder: tuple, *weights: torch.Tensor) -> torch.Tensor:
+        return holder[0].view(holder[0].shape)
+
+    @staticmethod
+    def backward(ctx, grad_ENK: torch.Tensor):
+        return (None, *grad_ENK.unbind(0))
+
+
+def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`buf` [E, N, K] as a differentiable stack of `weights` if weights[e] is still row e of
+    it (host-side pointer checks only), else None."""
+    if buf is None or len(weights) != buf.shape[0]:
+        return None
+    w0 = weights[0]
+    if w0.dtype != buf.dtype or w0.device != buf.device or tuple(w0.shape) != tuple(buf.shape[1:]):
+        return None
+    base, step = buf.data_ptr(), buf.stride(0) * buf.element_size()
+    for e, w in enumerate(weights):
+        if w.data_ptr() != base + e * step or not w.is_contiguous():
+            return None
+    return _StackedParams.apply((buf,), *weights)
+
+
 class GroupedExperts(SequentialMLP):
     """The local spec's experts (`SequentialMLP`'s parameters and checkpoint layout) computed
-    with one grouped GEMM per projection (see the module docstring)."""
+    with one grouped GEMM per projection, their weights stored as one stack per projection
+    (see the module docstring)."""
 
     def __init__(self, num_local_experts, config: TransformerConfig, submodules, pg_collection=None):
         super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
@@ -244,6 +298,40 @@ class GroupedExperts(SequentialMLP):
             raise ValueError("model.spec=torch: FP8/FP4 experts are not supported")
         if self.config.add_bias_linear:
             raise ValueError("model.spec=torch: experts with biases are not supported")
+        self._rehome()
+
+    # Plain attributes, not buffers: the state dict and every parameter name stay the local spec's.
+    _stacks: dict
+
+    def _weights(self, proj: str) -> list:
+        return [getattr(e, proj).weight for e in self.local_experts]
+
+    def _rehome(self) -> None:
+        """Move each projection's expert weights into one [E, out, in] tensor (parameter e
+        becomes a view of row e; the parameter objects, names and values are unchanged)."""
+        stacks = {}
+        for proj in ("linear_fc1", "linear_fc2"):
+            ws = self._weights(proj)
+            if not ws or any(w.dtype != ws[0].dtype or w.shape != ws[0].shape or w.device != ws[0].device
+                             for w in ws):
+                continue
+            with torch.no_grad():
+                buf = torch.stack([w.data for w in ws])
+            for e, w in enumerate(ws):
+                w.data = buf[e]
+            stacks[proj] = buf
+        object.__setattr__(self, "_stacks", stacks)
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .bfloat16() give every parameter new storage: stack them again.
+        out = super()._apply(fn, recurse)
+        self._rehome()
+        return out
+
+    def stacked_in_place(self) -> bool:
+        """Whether the grouped GEMM reads the expert weights in place (no copy per step)."""
+        return all(_stacked_view(self._stacks.get(p), self._weights(p)) is not None
+                   for p in ("linear_fc1", "linear_fc2"))
 
     def _activation(self, h_TF: torch.Tensor) -> torch.Tensor:
         """MLP.forward's unfused activation (the local spec's experts), gated or not."""
@@ -265,28 +353,156 @@ class GroupedExperts(SequentialMLP):
             probs_T = torch.ones_like(probs_T)
         # Expert linears do no communication inside (the dispatcher does it), so the local shards'
         # plain products are the local spec's results.
-        w1 = [e.linear_fc1.weight for e in self.local_experts]  # E x [2F/ETP, H]
-        w2 = [e.linear_fc2.weight for e in self.local_experts]  # E x [H, F/ETP]
-        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        w1, w2 = self._weights("linear_fc1"), self._weights("linear_fc2")  # E x [2F/ETP, H], E x [H, F/ETP]
         grouped = x_TH.shape[0] > 0 and grouped_mm_supported(x_TH, w1[0][None], w2[0][None])
-        offsets = None
+        offsets, s1, s2 = None, None, None
         if grouped:
-            offsets = torch.as_tensor(counts, device=x_TH.device).cumsum(0).to(torch.int32)
-        h = grouped_linear(x_TH, w1, counts, offsets, grouped=grouped)
-        h = self._activation(h)
-        h = (h * probs_T.unsqueeze(-1)).to(h.dtype)
-        return grouped_linear(h, w2, counts, offsets, grouped=grouped), None
+            # The counts stay where the dispatcher left them: on the device (SortedTokenDispatcher)
+            # no host copy is made; megatron-core's all-to-all dispatcher hands them over on the host.
+            counts = torch.as_tensor(tokens_per_expert).to(x_TH.device, non_blocking=True)
+            offsets = counts.cumsum(0).to(torch.int32)
+            s1 = _stacked_view(self._stacks.get("linear_fc1"), w1)
+            s2 = _stacked_view(self._stacks.get("linear_fc2"), w2)
+        h = grouped_linear(x_TH, w1, tokens_per_expert, offsets, grouped=grouped, stacked=s1)
+        with torch.profiler.record_function("moe_expert_act"):
+            h = self._activation(h)
+            h = (h * probs_T.unsqueeze(-1)).to(h.dtype)
+        return grouped_linear(h, w2, tokens_per_expert, offsets, grouped=grouped, stacked=s2), None
+
+
+# --------------------------------------------------------------------------------------------
+# Token dispatch without host synchronisation
+# --------------------------------------------------------------------------------------------
+class _GatherRows(torch.autograd.Function):
+    """y_J = x[src_J] where every x row is read by exactly k rows of y (J = T·k); the gradient is
+    a gather of the k rows of each token and their sum (`rows_of_T`: y's rows of token t, [T, k]),
+    not an atomic scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor, src_J: torch.Tensor, rows_Tk: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(src_J, rows_Tk)
+        return x_TH.index_select(0, src_J)
+
+    @staticmethod
+    def backward(ctx, g_JH: torch.Tensor):
+        src_J, rows_Tk = ctx.saved_tensors
+        return _sum_rows(g_JH, rows_Tk), None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """out_t = sum over s of y[rows_Tk[t, s]] (s in the order given); the gradient of y_j is
+    out's gradient at j's token (`src_J`)."""
+
+    @staticmethod
+    def forward(ctx, y_JH: torch.Tensor, rows_Tk: torch.Tensor, src_J: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(src_J, rows_Tk)
+        return _sum_rows(y_JH, rows_Tk)
+
+    @staticmethod
+    def backward(ctx, g_TH: torch.Tensor):
+        src_J, rows_Tk = ctx.saved_tensors
+        return g_TH.index_select(0, src_J), None, None
+
+
+def _sum_rows(y_JH: torch.Tensor, rows_Tk: torch.Tensor) -> torch.Tensor:
+    T, k = rows_Tk.shape
+    return y_JH.index_select(0, rows_Tk.reshape(-1)).view(T, k, y_JH.shape[-1]).sum(1)
+
+
+class SortedTokenDispatcher:
+    """Token permutation for experts that all live on this rank, with static shapes and no host
+    synchronisation (see the module docstring); the interface of megatron-core's
+    `MoETokenDispatcher`, used by `MoELayer.forward` unchanged.
+
+    From the router's [T, E] map (k experts per token): each token's experts in ascending order
+    ([T, k], a top-k over the map keyed by E − e), a stable sort of the T·k (token, expert) rows by
+    expert (rows of one expert stay in token order: megatron-core's order), the counts per expert
+    as differences of a `searchsorted` over the sorted ids (no atomics, no `bincount`, whose output
+    size would need the host). Rows: J = T·k, row j = token j // k in slot j % k."""
+
+    def __init__(self, config: TransformerConfig, num_local_experts: int):
+        self.config = config
+        self.num_experts = num_local_experts
+        self.topk = config.moe_router_topk
+        self.shared_experts = None
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map_TE: torch.Tensor,
+                            probs_TE: torch.Tensor):
+        with torch.profiler.record_function("moe_permute"):
+            self.hidden_shape = hidden_states.shape
+            x_TH = hidden_states.reshape(-1, self.hidden_shape[-1])
+            T, E, k = routing_map_TE.shape[0], self.num_experts, self.topk
+            dev = routing_map_TE.device
+            key_TE = routing_map_TE.to(torch.int32) * torch.arange(E, 0, -1, device=dev, dtype=torch.int32)
+            expert_Tk = E - key_TE.topk(k, dim=1).values  # ascending expert ids of each token
+            sorted_J, order_J = torch.sort(expert_Tk.reshape(-1), stable=True)
+            # Row j of the permuted tensor holds flat (token, slot) order_J[j]; the inverse says
+            # where each token's k rows went.
+            rows_Tk = torch.empty_like(order_J).scatter_(
+                0, order_J, torch.arange(T * k, device=dev)).view(T, k)
+            self.src_J, self.rows_Tk = order_J // k, rows_Tk
+            ends = torch.searchsorted(sorted_J, torch.arange(1, E + 1, device=dev, dtype=sorted_J.dtype))
+            self.tokens_per_expert = torch.diff(ends, prepend=ends.new_zeros(1))
+            probs_J = probs_TE.gather(1, expert_Tk.long()).reshape(-1).index_select(0, order_J)
+            x_JH = _GatherRows.apply(x_TH, self.src_J, rows_Tk)
+        return x_JH, probs_J
+
+    def token_dispatch(self, x_JH: torch.Tensor, probs_J: torch.Tensor):
+        return x_JH, probs_J
+
+    def dispatch_postprocess(self, x_JH: torch.Tensor, probs_J: torch.Tensor):
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return x_JH, tokens_per_expert, probs_J
+
+    def combine_preprocess(self, y_JH: torch.Tensor) -> torch.Tensor:
+        return y_JH
+
+    def token_combine(self, y_JH: torch.Tensor) -> torch.Tensor:
+        return y_JH
+
+    def combine_postprocess(self, y_JH: torch.Tensor) -> torch.Tensor:
+        with torch.profiler.record_function("moe_unpermute"):
+            out_TH = _SumRows.apply(y_JH, self.rows_Tk, self.src_J)
+            self.src_J = self.rows_Tk = None
+        return out_TH.view(self.hidden_shape)
+
+
+def sorted_dispatch_applies(config: TransformerConfig, ep_size: int, etp_size: int) -> bool:
+    """Whether `SortedTokenDispatcher` can stand in for megatron-core's dispatcher: no token leaves
+    the rank and the routing is dropless top-k."""
+    return (ep_size == 1 and etp_size == 1 and config.moe_expert_capacity_factor is None
+            and not config.moe_pad_expert_input_to_capacity
+            and not config.moe_router_padding_for_quantization
+            and not config.moe_shared_expert_overlap and not config.moe_latent_size)
+
+
+class TorchMoELayer(MoELayer):
+    """megatron-core's `MoELayer` with `SortedTokenDispatcher` where it applies (see the module
+    docstring); megatron-core's own dispatcher otherwise. No parameter of its own."""
+
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None):
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection)
+        d = self.token_dispatcher
+        if sorted_dispatch_applies(config, d.ep_size, d.tp_size):
+            self.token_dispatcher = SortedTokenDispatcher(config, self.num_local_experts)
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        with torch.profiler.record_function("moe_experts"):
+            return super().routed_experts_compute(hidden_states, probs)
+
+    def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        with torch.profiler.record_function("moe_route"):
+            return super().route(hidden_states, padding_mask)
 
 
 # --------------------------------------------------------------------------------------------
 # The spec
 # --------------------------------------------------------------------------------------------
 def get_torch_decoder_block_spec(config: TransformerConfig, vp_stage: Optional[int] = None):
-    """megatron-core's local decoder block spec with `SDPAttention` as core attention and
-    `GroupedExperts` as MoE experts (every other submodule, and so every parameter name, as in
-    the local spec)."""
+    """megatron-core's local decoder block spec with `SDPAttention` as core attention,
+    `TorchMoELayer` as MoE layer and `GroupedExperts` as its experts (every other submodule, and
+    so every parameter name, as in the local spec)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage)
     swapped = {}  # the local spec shares one layer spec between layers: swap each once
@@ -305,6 +521,7 @@ def get_torch_decoder_block_spec(config: TransformerConfig, vp_stage: Optional[i
                     raise TypeError("model.spec=torch expected the local spec's SequentialMLP experts "
                                     f"(moe_grouped_gemm off), found {mlp.submodules.experts.module}")
                 mlp.submodules.experts.module = GroupedExperts
+                mlp.module = TorchMoELayer
             swapped[id(spec)] = new
         layers.append(swapped[id(spec)])
     block.layer_specs = layers

@@ -83,7 +83,9 @@ def test_prepare_then_dry_run_the_whole_suite_on_cpu(tmp_path):
     assert int(suite.get("skipped")) == 0
     figures = json.loads((tmp_path / "out" / "gpu_figures.json").read_text())
     assert {"environment", "a_learner", "b_loop", "c_vocab_parallel", "d_throughput"} <= figures.keys()
-    assert {"dense_1p7b", "moe_small"} <= figures["d_throughput"].keys()
-    assert all({"torch", "local"} <= figures["d_throughput"][m].keys() for m in ("dense_1p7b", "moe_small"))
+    assert {"dense_1p7b", "moe_small", "moe_30b_layer"} <= figures["d_throughput"].keys()
+    assert {"torch", "local"} <= figures["d_throughput"]["dense_1p7b"].keys()
+    assert all("profile" in figures["d_throughput"][m]["torch"] for m in ("dense_1p7b", "moe_small", "moe_30b_layer"))
+    assert figures["run"]["commit"] and figures["run"]["result"] == summary
     assert "torch_spec_logsoftmax_error_vs_hf_fp32" in figures["a_learner"]
     assert figures["c_vocab_parallel"]["benchmark"]["rows"][0]["variants"]["e"]["fwd_bwd_ms"] > 0

@@ -27,3 +27,15 @@ def pytest_configure(config):
 def pytest_report_header(config):
     return f"megatron-rl GPU smoke suite: device={gpu_common.device()}, data={gpu_common.data_dir()}, " \
            f"figures={gpu_common.figures_path()}"
+
+
+def pytest_runtest_logreport(report):
+    """Each test's wall time (set-up + call + tear-down: module fixtures run whole trainers in
+    set-up) into the figures file, so every run says what the 10-minute command is spent on."""
+    if report.duration >= 0.05:
+        import json
+
+        name = report.nodeid.split("::", 1)[-1]
+        path = gpu_common.figures_path()
+        before = json.loads(path.read_text()).get("durations_s", {}) if path.exists() else {}
+        gpu_common.record("durations_s", {name: round(before.get(name, 0.0) + report.duration, 1)})

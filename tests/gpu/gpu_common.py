@@ -109,15 +109,54 @@ def environment() -> dict:
             env[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             env[dist] = None
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
     if cuda() and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                   sm_count=props.multi_processor_count)
-    try:
-        env["commit"] = manifest().get("commit")
-    except FileNotFoundError:
-        env["commit"] = None
+                   sm_count=props.multi_processor_count, driver=_nvidia_smi("driver_version"))
+    env.update(_commit())
     return env
+
+
+def _nvidia_smi(field: str):
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _commit() -> dict:
+    """The commit the suite runs: MRL_GPU_COMMIT (suite.sh sets it from git where the checkout
+    has .git; a copied tree has none), else git here, else the commit `prepare` recorded (the
+    tree may have changed since: `prepare_commit` says which one that was)."""
+    import subprocess
+
+    out = {"commit": os.environ.get("MRL_GPU_COMMIT") or None, "tree_dirty": None}
+    if out["commit"] is None:
+        try:
+            head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=20)
+            if head.returncode == 0:
+                out["commit"] = head.stdout.strip()
+                dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                       capture_output=True, text=True, timeout=20)
+                out["tree_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    try:
+        out["prepare_commit"] = manifest().get("commit")
+    except FileNotFoundError:
+        out["prepare_commit"] = None
+    out["commit"] = out["commit"] or out["prepare_commit"]
+    return out
 
 
 def record(section: str, values: dict) -> None:

@@ -7,7 +7,9 @@
 #   tests/gpu/suite.sh run [PYTEST ARGS]
 #                                on the GPU machine (Python 3.12 image, no network): install the wheels
 #                                into /tmp/site, run `pytest tests/gpu` on CUDA; junit.xml, log.txt,
-#                                gpu_figures.json and summary.txt go to $OUT (default .gpu/out)
+#                                gpu_figures.json (figures, profiles, per-test durations and the run:
+#                                commit, device, result, wall time; copy it to docs/gpu-runs/) and
+#                                summary.txt go to $OUT (default .gpu/out); sized for one 10-minute command
 #   tests/gpu/suite.sh dry-run [PYTEST ARGS]
 #                                here / CI: the suite's code paths on CPU (tiny shapes, gloo), after prepare;
 #                                it also checks that the train_only path imports nothing the GPU machine lacks
@@ -18,6 +20,14 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export MRL_GPU_DIR=${MRL_GPU_DIR:-$REPO/.gpu}
+START=$SECONDS
+# The commit under test, where the checkout has its .git (a copied work tree may not: then the
+# figures name the commit `prepare` recorded, as prepare_commit).
+if [ -z "${MRL_GPU_COMMIT:-}" ] && git -C "$REPO" rev-parse HEAD >/dev/null 2>&1; then
+  MRL_GPU_COMMIT=$(git -C "$REPO" rev-parse HEAD)
+  git -C "$REPO" diff --quiet HEAD -- 2>/dev/null || MRL_GPU_COMMIT="$MRL_GPU_COMMIT+dirty"
+  export MRL_GPU_COMMIT
+fi
 
 summarize() {  # junit.xml -> "N passed, M failed" (+ skipped); non-zero unless all passed
   "$PY" - "$1" <<'EOF'
@@ -45,7 +55,25 @@ run_pytest() {  # $1 = device; rest = pytest args
     return 1
   fi
   summarize "$OUT/junit.xml" | tee "$OUT/summary.txt"
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  # The run itself into the figures file (docs/gpu-runs/ keeps one such file per GPU run).
+  "$PY" - "$OUT" "$((SECONDS - START))" "$*" <<'EOF'
+import json, sys, time
+from pathlib import Path
+out, wall, args = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+path = out / "gpu_figures.json"
+fig = json.loads(path.read_text()) if path.exists() else {}
+env = fig.get("environment", {})
+env_txt = (out / "env.txt").read_text().splitlines() if (out / "env.txt").exists() else []
+fig["run"] = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "commit": env.get("commit"),
+              "tree_dirty": env.get("tree_dirty"),
+              "device": env_txt[0] if env_txt and "," in env_txt[0] else env.get("gpu") or env.get("device_kind"),
+              "command": "tests/gpu/suite.sh " + ("run" if env.get("device_kind") == "cuda" else "dry-run")
+                         + (" " + args if args else ""),
+              "result": (out / "summary.txt").read_text().strip(), "wall_s": wall}
+path.write_text(json.dumps(fig, indent=1, sort_keys=True))
+EOF
+  return "$rc"
 }
 
 cmd=${1:-}

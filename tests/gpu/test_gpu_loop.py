@@ -104,7 +104,7 @@ def _is_optimizer(key: str) -> bool:
 
 
 def _rows(out_dir: Path) -> list[dict]:
-    from megatron_rl.trainer.metrics import read_metrics
+    from megatron_rl.run.metrics import read_metrics
 
     return [r for r in read_metrics(out_dir) if r["step"] >= 0]
 

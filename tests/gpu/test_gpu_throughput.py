@@ -1,11 +1,19 @@
-"""(d) Learner throughput, MFU and peak memory on one H100 for the two layer specs that need no
-Transformer Engine, `torch` (torch's SDPA attention and grouped expert GEMMs, models/torch_spec.py)
-and `local` (megatron-core's unfused attention and one-expert-at-a-time experts): a
-Qwen3-1.7B-shaped dense model and a small Qwen3-MoE-shaped model, random weights (Megatron's own
-init; only the HF config is written), bf16 params, fp32 grads and Adam, one optimizer step per
-global batch through `Learner.train_step` (Megatron's schedule, the vocab-parallel NLL over every
-token). Both specs run in one process, one after the other (torch first), each with its own
-warm-up; the peak-memory counter is reset between them and the first learner freed.
+"""(d) Learner throughput, MFU and peak memory on one H100 for the layer specs that need no
+Transformer Engine, `torch` (torch's SDPA attention, sync-free MoE dispatch and grouped expert
+GEMMs, models/torch_spec.py) and `local` (megatron-core's unfused attention and
+one-expert-at-a-time experts): a Qwen3-1.7B-shaped dense model (both specs: `local` is the
+baseline), a small Qwen3-MoE-shaped model and Qwen3-30B-A3B's own layer (128 experts, top-8; 4
+layers) under the torch spec only, random weights (Megatron's own init; only the HF config is
+written), bf16 params, fp32 grads and Adam, one optimizer step per global batch through
+`Learner.train_step` (Megatron's schedule, the vocab-parallel NLL over every token). The specs of
+a shape run in one process, one after the other (torch first), each with its own warm-up; the
+peak-memory counter is reset between them and the first learner freed. Each torch-spec shape
+records a profile of one more step (gpu_profile.py: the 15 longest kernels, the share of device
+time in attention / experts / routing / loss / optimizer / other, host-side gaps).
+
+Sized so that the whole suite fits one 10-minute command (docs/gpu.md): 1 warm-up step (the
+2026-11-27 run: step 2 was already at the steady-state time) and 3 timed steps per measurement;
+the local spec's MoE run (0.048 MFU, 88 GiB, 20 s of the last run) is gone.
 
 FLOPs per token (training = 3 x forward, PaLM's convention, Chowdhery et al. 2022, App. B):
     6 * N_active + 12 * L * n_heads * head_dim * S
@@ -28,6 +36,7 @@ from pathlib import Path
 import pytest
 
 import gpu_common
+import gpu_profile
 
 H100_BF16_PEAK = 989e12
 MODELS = {
@@ -36,14 +45,20 @@ MODELS = {
         "dense_1p7b": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                    head_dim=128, tie_word_embeddings=True),
-                           seq=2048, batch=8, micro_batch=2),
+                           seq=2048, batch=8, micro_batch=2, specs=("torch", "local")),
         # Qwen3-30B-A3B's layer (h 2048, 32 heads (4 KV) x 128, experts of 768, top-8), 8 layers
         # and 32 experts: ~2.0B parameters, ~0.76B active per token
         "moe_small": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                   num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                                   head_dim=128, num_experts=32, num_experts_per_tok=8,
                                   moe_intermediate_size=768, tie_word_embeddings=False),
-                          seq=2048, batch=8, micro_batch=2),
+                          seq=2048, batch=8, micro_batch=2, specs=("torch",)),
+        # Qwen3-30B-A3B's layer as it is: 128 experts, top-8, 4 layers: ~3.1B parameters
+        "moe_30b_layer": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                      head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                      moe_intermediate_size=768, tie_word_embeddings=False),
+                              seq=2048, batch=8, micro_batch=2, specs=("torch",), rl_step=False),
     },
     "cpu": {
         "dense_1p7b": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -53,12 +68,18 @@ MODELS = {
         "moe_small": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                                   num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False),
-                          seq=64, batch=4, micro_batch=2),
+                          seq=64, batch=4, micro_batch=2, specs=("torch",)),
+        "moe_30b_layer": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                      num_experts_per_tok=4, moe_intermediate_size=32, tie_word_embeddings=False),
+                              seq=64, batch=4, micro_batch=2, specs=("torch",), rl_step=False),
     },
 }
-SPECS = ("torch", "local")  # measured in this order, in one process
-WARMUP = {"cuda": 2, "cpu": 1}  # torch.compile (megatron-core's jit_fuser) compiles in the first steps
-TIMED = {"cuda": 4, "cpu": 2}
+SPECS = ("torch", "local")  # measured in this order, in one process (a shape's `specs` may name fewer)
+WARMUP = {"cuda": 1, "cpu": 1}  # torch.compile (megatron-core's jit_fuser) compiles in the first step
+TIMED = {"cuda": 3, "cpu": 2}
+# The expected parameter counts on CUDA: a config mapping error would change them.
+PARAMS = {"dense_1p7b": (1.6e9, 1.8e9), "moe_small": (1.9e9, 2.2e9), "moe_30b_layer": (3.0e9, 3.2e9)}
 
 
 def flops_per_token(hf: dict, seq: int) -> tuple[float, int]:
@@ -98,7 +119,7 @@ def throughput_worker(name: str, spec: dict) -> dict:
     hf = _write_config(Path(tempfile.mkdtemp()) / name, spec["hf"])
     ctx = gpu_common.start_group()
     out = {}
-    for layer_spec in SPECS:
+    for layer_spec in spec.get("specs", SPECS):
         if dev == "cuda":
             torch.cuda.reset_peak_memory_stats()
         out[layer_spec] = _measure(ctx, hf, spec, layer_spec)
@@ -148,8 +169,16 @@ def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
     out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules)
-    if layer_spec == "torch":  # the default spec: the RL step at the same shape
-        out |= _dppo_topk_step(learner, cfg, batch, spec, times[WARMUP[dev]:])
+    if layer_spec == "torch":  # the default spec: where its time goes, then the RL step at the same shape
+        experts = [m for c in learner.model for m in c.modules() if type(m).__name__ == "GroupedExperts"]
+        if experts:  # the grouped GEMM reads the expert weights in place (no stack copy per step)
+            out["experts_weights_in_place"] = all(m.stacked_in_place() for m in experts)
+            out["moe_dispatchers"] = sorted({type(m.token_dispatcher).__name__ for c in learner.model
+                                             for m in c.modules() if hasattr(m, "token_dispatcher")})
+        with gpu_profile.optimizer_ranges(learner.optimizer):
+            out["profile"] = gpu_profile.profile_step(lambda: learner.train_step(batch), dev, step)
+        if spec.get("rl_step", True):
+            out |= _dppo_topk_step(learner, cfg, batch, spec, times[WARMUP[dev]:])
     if dev == "cuda":
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["allocated_before_build_gib"] = before_gib
@@ -195,32 +224,48 @@ def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float
     return out
 
 
-@pytest.mark.parametrize("name", ["dense_1p7b", "moe_small"])
+@pytest.mark.parametrize("name", ["dense_1p7b", "moe_small", "moe_30b_layer"])
 def test_learner_throughput_and_mfu(name):
     spec = MODELS[gpu_common.device()][name]
-    per_spec = gpu_common.run_isolated(throughput_worker, name, spec, timeout=540)
-    torch_, local = per_spec["torch"], per_spec["local"]
-    gpu_common.record("d_throughput", {name: {
-        **per_spec, "torch_over_local_tokens_per_s": torch_["tokens_per_s"] / local["tokens_per_s"],
-        "peak_tflops_assumed": H100_BF16_PEAK / 1e12,
-        "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token (both specs)"}})
+    per_spec = gpu_common.run_isolated(throughput_worker, name, spec, timeout=300)
+    torch_ = per_spec["torch"]
+    figures = {**per_spec, "peak_tflops_assumed": H100_BF16_PEAK / 1e12,
+               "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token (both specs)"}
+    if "local" in per_spec:
+        figures["torch_over_local_tokens_per_s"] = torch_["tokens_per_s"] / per_spec["local"]["tokens_per_s"]
+    gpu_common.record("d_throughput", {name: figures})
     for layer_spec, out in per_spec.items():
         mem = f", peak {out['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in out else ""
         print(f"{name} model.spec={layer_spec}: {out['params'] / 1e9:.2f}B params, "
               f"{out['tokens_per_s']:.0f} tokens/s, MFU {out['mfu']:.3f}{mem}")
         if gpu_common.cuda():
-            # The shapes are the named ones: a config mapping error would change the parameter count.
-            expected = {"dense_1p7b": (1.6e9, 1.8e9), "moe_small": (1.9e9, 2.2e9)}[name]
+            expected = PARAMS[name]
             assert expected[0] < out["params"] < expected[1], out["params"]
         assert all(t > 0 for t in out["all_step_s"]) and 0 < out["mfu"] < 1, out
         assert all(l == l and l < 1e3 for l in out["losses"]), out["losses"]  # finite training losses
-    # Each spec ran its own modules; the same model under both (same parameter count).
-    assert "SDPAttention" in torch_["modules"] and "DotProductAttention" in local["modules"], per_spec
-    assert ("GroupedExperts" in torch_["modules"]) == ("SequentialMLP" in local["modules"]), per_spec
-    assert torch_["params"] == local["params"]
+    # The torch spec ran its own modules.
+    assert "SDPAttention" in torch_["modules"] and "DotProductAttention" not in torch_["modules"], torch_
+    assert ("GroupedExperts" in torch_["modules"]) == ("num_experts" in spec["hf"]), torch_
+    if "num_experts" in spec["hf"]:
+        # One rank holds every expert: the sync-free dispatch and the in-place expert weights.
+        assert torch_["moe_dispatchers"] == ["SortedTokenDispatcher"], torch_["moe_dispatchers"]
+        assert torch_["experts_weights_in_place"], "GroupedExperts copied its weights (storage rebound)"
+    if "local" in per_spec:
+        local = per_spec["local"]
+        assert "DotProductAttention" in local["modules"], local
+        assert torch_["params"] == local["params"]
+    # Where the time went: every category present, shares summing to 1.
+    prof = torch_["profile"]
+    assert abs(sum(prof["share"].values()) - 1) < 1e-6 and prof["top_kernels"], prof
+    print(f"{name} profile: " + ", ".join(f"{c} {v:.1%}" for c, v in prof["share"].items())
+          + f"; host gaps {prof['host_gap_s'] * 1e3:.0f} ms of {prof['profiled_step_wall_s'] * 1e3:.0f} ms")
+    if "num_experts" in spec["hf"]:
+        assert prof["share"]["experts"] > 0 and prof["share"]["routing"] > 0, prof["share"]
+    assert prof["share"]["attention"] > 0 and prof["share"]["optimizer"] > 0, prof["share"]
     # The RL step ran (the ratio against the NLL step is recorded for the 1.05x target).
-    for kernel in ("torch", "triton") if gpu_common.cuda() else ("torch",):
-        rl = torch_[f"dppo_topk_{kernel}"]
-        assert all(0 < n < 1e6 for n in rl["grad_norms"]), rl["grad_norms"]
-        print(f"{name}: DPPO top-K TV step ({kernel} loss) {rl['step_s'] * 1e3:.0f} ms = "
-              f"{rl['over_nll_step']:.3f}x the NLL step")
+    if spec.get("rl_step", True):
+        for kernel in ("torch", "triton") if gpu_common.cuda() else ("torch",):
+            rl = torch_[f"dppo_topk_{kernel}"]
+            assert all(0 < n < 1e6 for n in rl["grad_norms"]), rl["grad_norms"]
+            print(f"{name}: DPPO top-K TV step ({kernel} loss) {rl['step_s'] * 1e3:.0f} ms = "
+                  f"{rl['over_nll_step']:.3f}x the NLL step")
