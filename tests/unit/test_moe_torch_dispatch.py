@@ -232,9 +232,7 @@ def test_grouped_experts_read_their_weights_in_place_and_grads_reach_each(monkey
 def _layer_worker(rank: int, world_size: int, parallel: dict) -> dict:
     """Build one MoE layer under the local spec and the torch spec (same weights), run forward and
     backward on the same input, count host syncs in the torch spec's layer."""
-    import os
 
-    import torch.distributed as dist
 
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
