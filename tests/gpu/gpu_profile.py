@@ -10,7 +10,9 @@ CPU dry run: the leaf CPU ops', so the same code runs). Each kernel is put in on
   loss       the vocab-parallel log-prob / entropy / NLL functions (`_LogProbsEntropy`,
              `_TritonLogProbsEntropy`, `vocab_parallel_*`), forward and backward
   optimizer  under "optimizer" (the learner's `optimizer.step` and `zero_grad`, wrapped while profiling)
-  other      everything else (embedding, norms, QKV/O and dense MLP GEMMs, the LM head, DDP, ...)
+  gemm       any other matrix product (QKV/O and dense MLP projections, the LM head, the router's
+             linear): a kernel named like a GEMM (nvjet / gemm / xmma / cutlass) outside the ranges above
+  other      everything else (elementwise ops, norms, copies and casts, DDP's gradient accumulation, ...)
 
 A backward kernel has no record_function range of its own (autograd runs it on its own thread); it
 takes the category of the forward op whose autograd node launched it (the profiler's sequence
@@ -24,7 +26,8 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import contextmanager
 
-CATEGORIES = ("attention", "experts", "routing", "loss", "optimizer", "other")
+CATEGORIES = ("attention", "experts", "routing", "loss", "optimizer", "gemm", "other")
+GEMM_NAMES = ("nvjet", "gemm", "xmma", "cutlass", "cublas", "addmm", "aten::mm", "aten::bmm", "aten::matmul")
 RANGES = {"attention": "attention", "moe_experts": "experts", "moe_route": "routing",
           "moe_permute": "routing", "moe_unpermute": "routing", "optimizer": "optimizer", "loss": "loss"}
 NAME_RULES = (
@@ -89,8 +92,10 @@ def summarize(prof, wall_s: float, device: str, unprofiled_step_s: float | None 
             kernels = [] if e.cpu_children or e.name.startswith(backward_prefix) else [(e.name, e.self_cpu_time_total)]
         if not kernels:
             continue
-        cat = ranged(e) or "other"
+        op_cat = ranged(e)
         for name, us in kernels:
+            cat = op_cat or ("gemm" if any(g in name.lower() or g in e.name.lower() for g in GEMM_NAMES)
+                             else "other")
             per_cat[cat] += us
             k = per_kernel[name]
             k[0] += us
