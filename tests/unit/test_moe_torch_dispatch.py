@@ -311,3 +311,60 @@ def test_torch_spec_moe_layer_equals_local_spec_layer(parallel, world, dispatche
             assert ours["syncs"] == [], ours["syncs"]  # the whole layer, forward and backward
         else:  # megatron-core's all-to-all needs its split sizes on the host
             assert ours["syncs"], "the sync counter saw nothing in megatron-core's EP dispatcher"
+
+
+def _ddp_like(weights_in_module_order, gaps):
+    """Give parameters `main_grad`s as megatron-core's DDP does: one fp32 buffer, parameters laid
+    out in reverse order (`params[::-1]`), `gaps(i)` elements before the i-th (0: back to back,
+    without the distributed optimizer; the same for all: its alignment; else an irregular layout)."""
+    ps = weights_in_module_order[::-1]
+    buf = torch.zeros(sum(p.numel() + gaps(i) for i, p in enumerate(ps)), dtype=torch.float32)
+    at = 0
+    for i, p in enumerate(ps):
+        at += gaps(i)
+        p.main_grad = buf[at:at + p.numel()].view(p.shape)
+        p.grad_added_to_main_grad = False
+        at += p.numel()
+    return buf
+
+
+def _hook(p):
+    """DDP's backward post-hook (distributed_data_parallel.py `_make_backward_post_hook`)."""
+    if p.grad is not None and not p.grad_added_to_main_grad:
+        p.main_grad.add_(p.grad.data)
+    p.grad = None
+
+
+@pytest.mark.parametrize("layout", ["back_to_back", "aligned", "irregular"])
+def test_expert_gradients_reach_main_grad_in_one_add(layout):
+    """Where DDP's buffer holds the experts' `main_grad`s at one stride (back to back, or each
+    aligned alike) the [E, N, K] gradient is added there in one add (rows in reverse order) and the
+    hooks skip theirs; in an irregular layout the hooks add. Every way gives each expert exactly its
+    gradient, summed over micro-batches."""
+    from megatron_rl.models.torch_spec import _main_grad_stack
+
+    g = torch.Generator().manual_seed(5)
+    n, k1, k2 = 4, (6, 5), (5, 3)
+    stacks = [torch.randn(n, *k, generator=g) for k in (k1, k2)]
+    fc = [[torch.nn.Parameter(s[e]) for e in range(n)] for s in stacks]
+    for s, ps in zip(stacks, fc):  # the parameters are views of their stack, as GroupedExperts keeps them
+        for e, p in enumerate(ps):
+            p.data = s[e]
+    gaps = {"back_to_back": lambda i: 0, "aligned": lambda i: 64, "irregular": lambda i: 7 * (i == 3)}[layout]
+    _ddp_like([p for e in range(n) for p in (fc[0][e], fc[1][e])], gaps)  # expert e: fc1, fc2
+    mains = [_main_grad_stack(ps) for ps in fc]
+    if layout == "irregular":
+        assert all(m is None for m in mains)  # the gap breaks both projections' stride
+    else:
+        assert all(m is not None and m[1] for m in mains)
+    for p in fc[0] + fc[1]:
+        p.register_post_accumulate_grad_hook(_hook)
+    coef = [torch.randn(n, *k, generator=g) for k in (k1, k2)]
+    for _ in range(2):  # two micro-batches
+        loss = sum((_stacked_view(s, ps, m) * c).sum() for s, ps, m, c in zip(stacks, fc, mains, coef))
+        loss.backward()
+        for p in fc[0] + fc[1]:
+            assert p.grad is None
+    for ps, c in zip(fc, coef):
+        for e, p in enumerate(ps):
+            torch.testing.assert_close(p.main_grad, 2 * c[e], rtol=0, atol=1e-6)
