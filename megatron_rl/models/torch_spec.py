@@ -261,58 +261,20 @@ class _Restack(NamedTuple):
 
 class _StackedParams(torch.autograd.Function):
     """The per-expert parameters as the [E, N, K] tensor that holds their storage, without a copy;
-    its gradient goes back to each parameter (row e).
-
-    Under megatron-core's DDP each parameter's gradient is added to its fp32 `main_grad` by a hook,
-    one small kernel per expert weight and micro-batch (1,024 per micro-batch at Qwen3-30B-A3B's 4
-    layers: 13 % of `moe_30b_layer`'s device time on an H200). Where those `main_grad`s lie at one
-    stride in DDP's buffer (`_main_grad_stack`), the backward adds the whole [E, N, K] gradient there
-    in one kernel and marks the parameters `grad_added_to_main_grad` (the hook then skips its add,
-    as it does for Megatron's fused weight-gradient accumulation); the per-expert gradients still
-    go back as views, so the hooks fire and the buckets see every parameter ready."""
+    its gradient goes back to each parameter (row e)."""
 
     @staticmethod
     def forward(ctx, holder: tuple, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.main, ctx.weights = holder[1], weights
         return holder[0].view(holder[0].shape)
 
     @staticmethod
     def backward(ctx, grad_ENK: torch.Tensor):
-        if ctx.main is not None:
-            main_ENK, reverse = ctx.main
-            main_ENK.add_(grad_ENK.flip(0) if reverse else grad_ENK)
-            for w in ctx.weights:
-                w.grad_added_to_main_grad = True
         return (None, *grad_ENK.unbind(0))
 
 
-def _main_grad_stack(weights: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, bool]]:
-    """The weights' `main_grad`s (megatron-core DDP's accumulation buffers) as one [E, N, K] view
-    and whether its rows run in reverse expert order (DDP lays parameters out in reverse), when they
-    lie at one stride in one storage; else None (no DDP, the distributed optimizer's padding, ...)."""
-    grads = [getattr(w, "main_grad", None) for w in weights]
-    if len(grads) < 2 or any(g is None or not hasattr(w, "grad_added_to_main_grad")
-                             for g, w in zip(grads, weights)):
-        return None
-    g0 = grads[0]
-    storage = g0.untyped_storage().data_ptr()
-    if any(g.shape != g0.shape or g.dtype != g0.dtype or not g.is_contiguous()
-           or g.untyped_storage().data_ptr() != storage for g in grads):
-        return None
-    step = grads[1].storage_offset() - g0.storage_offset()
-    if abs(step) < g0.numel() or any(g.storage_offset() - g0.storage_offset() != e * step
-                                     for e, g in enumerate(grads)):
-        return None
-    first = g0 if step > 0 else grads[-1]
-    view = first.as_strided((len(grads), *g0.shape), (abs(step), *g0.stride()), first.storage_offset())
-    return view, step < 0
-
-
-def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor],
-                  main: Optional[tuple[torch.Tensor, bool]] = None) -> Optional[torch.Tensor]:
+def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     """`buf` [E, N, K] as a differentiable stack of `weights` if weights[e] is still row e of
-    it (host-side pointer checks only), else None. `main`: `_main_grad_stack(weights)`, where the
-    backward accumulates the gradient."""
+    it (host-side pointer checks only), else None."""
     if buf is None or len(weights) != buf.shape[0]:
         return None
     w0 = weights[0]
@@ -322,7 +284,7 @@ def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor],
     for e, w in enumerate(weights):
         if w.data_ptr() != base + e * step or not w.is_contiguous():
             return None
-    return _StackedParams.apply((buf, main), *weights)
+    return _StackedParams.apply((buf,), *weights)
 
 
 class GroupedExperts(SequentialMLP):
@@ -366,22 +328,6 @@ class GroupedExperts(SequentialMLP):
         self._rehome()
         return out
 
-    def _main_stack(self, proj: str, weights: list) -> Optional[tuple[torch.Tensor, bool]]:
-        """`_main_grad_stack(weights)`, found once: DDP assigns each `main_grad` once, in its
-        buffer; the first and last are checked on every call."""
-        if not hasattr(weights[0], "main_grad"):
-            return None
-        key = (weights[0].main_grad.data_ptr(), weights[-1].main_grad.data_ptr())
-        cache = self.__dict__.setdefault("_main_stacks", {})
-        if cache.get(proj, (None,))[0] != key:
-            cache[proj] = (key, _main_grad_stack(weights))
-        return cache[proj][1]
-
-    def main_grad_fused(self) -> bool:
-        """Whether the backward adds each projection's expert gradients to DDP's `main_grad` in one
-        kernel (`_main_grad_stack`), not one per expert."""
-        return all(self._main_stack(p, self._weights(p)) is not None for p in ("linear_fc1", "linear_fc2"))
-
     def stacked_in_place(self) -> bool:
         """Whether the grouped GEMM reads the expert weights in place (no copy per step)."""
         return all(_stacked_view(self._stacks.get(p), self._weights(p)) is not None
@@ -415,8 +361,8 @@ class GroupedExperts(SequentialMLP):
             # no host copy is made; megatron-core's all-to-all dispatcher hands them over on the host.
             counts = torch.as_tensor(tokens_per_expert).to(x_TH.device, non_blocking=True)
             offsets = counts.cumsum(0).to(torch.int32)
-            s1 = _stacked_view(self._stacks.get("linear_fc1"), w1, self._main_stack("linear_fc1", w1))
-            s2 = _stacked_view(self._stacks.get("linear_fc2"), w2, self._main_stack("linear_fc2", w2))
+            s1 = _stacked_view(self._stacks.get("linear_fc1"), w1)
+            s2 = _stacked_view(self._stacks.get("linear_fc2"), w2)
         h = grouped_linear(x_TH, w1, tokens_per_expert, offsets, grouped=grouped, stacked=s1)
         with torch.profiler.record_function("moe_expert_act"):
             h = self._activation(h)

@@ -173,8 +173,6 @@ def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
         experts = [m for c in learner.model for m in c.modules() if type(m).__name__ == "GroupedExperts"]
         if experts:  # the grouped GEMM reads the expert weights in place (no stack copy per step)
             out["experts_weights_in_place"] = all(m.stacked_in_place() for m in experts)
-            # ... and adds each projection's gradient to DDP's main_grad in one kernel, not one per expert
-            out["experts_main_grad_fused"] = all(m.main_grad_fused() for m in experts)
             out["moe_dispatchers"] = sorted({type(m.token_dispatcher).__name__ for c in learner.model
                                              for m in c.modules() if hasattr(m, "token_dispatcher")})
         # The RL step first, the profile last: a profiler session leaves per-kernel overhead behind
