@@ -148,7 +148,7 @@ class Stages:
 
     def train_critic(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         """The critic's value-loss steps: one per mini-batch and epoch, as the policy's."""
-        def step(mb):
+        def one(mb):
             crit = mb.select(torch.arange(len(mb)))
             crit["response_mask"] = mb["loss_mask"]
             out = self.critic.train_step(crit)
@@ -157,13 +157,13 @@ class Stages:
                 raise TrainingError(f"step {step}: critic non-finite {', '.join(bad)}")
             return out
 
-        return {f"critic/{k}": v for k, v in self._mini_batch_steps(batch, step)[0].items()}
+        return {f"critic/{k}": v for k, v in self._mini_batch_steps(batch, one)[0].items()}
 
-    def _mini_batch_steps(self, batch: dict[str, torch.Tensor], step) -> tuple[dict[str, float], dict[str, float]]:
-        """`step(mini_batch) -> metrics` on algorithm.mini_batches mini-batches x algorithm.epochs;
+    def _mini_batch_steps(self, batch: dict[str, torch.Tensor], one) -> tuple[dict[str, float], dict[str, float]]:
+        """`one(mini_batch) -> metrics` on algorithm.mini_batches mini-batches x algorithm.epochs;
         returns (metrics averaged over the steps, the first step's metrics)."""
         a = self.cfg.algorithm
-        outs = [step(mb) for _ in range(a.epochs) for mb in batching.mini_batches(batch, a.mini_batches)]
+        outs = [one(mb) for _ in range(a.epochs) for mb in batching.mini_batches(batch, a.mini_batches)]
         keys = dict.fromkeys(k for o in outs for k in o)
         return {k: sum(o.get(k, 0.0) for o in outs) / len(outs) for k in keys}, outs[0]
 
@@ -174,7 +174,7 @@ class Stages:
         every = self.cfg.trainer.token_log_every
         records: list[list[dict]] = []
 
-        def step(mb):
+        def one(mb):
             loss_fn = PolicyLoss(a, mb, self.cfg.rollout.temperature, self.cfg.rollout.max_new_tokens,
                                  dp_group=self.ctx.dp_group, device=self.ctx.device,
                                  split_at_step=step if split else None,
@@ -190,7 +190,7 @@ class Stages:
                                     f"(loss/total={out.get('loss/total')}, grad_norm={out.get('grad_norm')})")
             return out
 
-        mean, first = self._mini_batch_steps(batch, step)
+        mean, first = self._mini_batch_steps(batch, one)
         if records and self.ctx.is_last_stage and self.ctx.tp_rank == 0:
             path = self.out_dir / "tokens" / f"step{step}.dp{self.ctx.dp_rank}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
