@@ -114,6 +114,17 @@ def pytest_collection_modifyitems(config, items):
         path.with_suffix(".tmp").replace(path)
 
 
+def pytest_sessionstart(session):
+    """First-use caches that a library builds by starting a process are built here, before any test
+    runs: matplotlib's font list (it runs fc-list the first time; a unit-tier test that plots would
+    otherwise fail with ProcessInUnitTier on a machine with a fresh $HOME, and pass wherever a
+    slower test had built the cache first). A user's first plot builds it the same way."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401 - builds (or reads) the font cache
+
+
 def pytest_configure(config):
     if not hasattr(config, "workerinput") and config.pluginmanager.hasplugin("xdist"):
         import tempfile
