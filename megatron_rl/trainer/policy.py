@@ -17,7 +17,7 @@ from megatron_rl.algorithms.adapter import compute_policy_loss, global_normalize
 from megatron_rl.algorithms.aggregation import local_count
 from megatron_rl.algorithms.policy_losses import aspo_entropy_eps
 from megatron_rl.config.schema import AlgorithmConfig
-from megatron_rl.vocab_parallel import TOPK_DIVERGENCES, vocab_parallel_policy_stats  # noqa: F401 (re-exported)
+from megatron_rl.vocab_parallel import TOPK_DIVERGENCES, vocab_parallel_policy_stats
 
 
 

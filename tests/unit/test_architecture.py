@@ -109,7 +109,7 @@ def test_modules_and_classes_stay_small():
     assert not big, "\n".join(big)
 
 
-def test_layers_check_finds_an_upward_import(tmp_path):
+def test_layers_check_finds_an_upward_import():
     """The check itself: a learner module importing the trainer is found (lazy import included)."""
     tree = ast.parse("def f():\n    from megatron_rl.trainer.loop import Trainer\n    from ..run import metrics\n")
     found = list(_imported_rooms(Path("learner/x.py"), tree))
