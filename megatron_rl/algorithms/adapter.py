@@ -35,6 +35,9 @@ from .registry import get
 Tensor = torch.Tensor
 
 
+_COMMON_METRICS = ("ratio", "weight", "masked", "clipped", "divergence")
+
+
 def global_normalizer(response_masks: Tensor | Iterable[Tensor], agg_mode: str, *,
                       dp_group: Any = None) -> Tensor:
     """The step's normaliser for `agg_mode` (valid tokens or non-empty sequences), counted over
@@ -82,7 +85,9 @@ def compute_policy_loss(
     rollout_logp = _zero_invalid(rollout_logp.detach(), valid)
     advantages = _zero_invalid(advantages.detach(), valid)
     old_logp = _zero_invalid(None if old_logp is None else old_logp.detach(), valid)
-    divergence = _zero_invalid(None if divergence is None else divergence.detach(), valid)
+    # A loss that scans whole responses (CPPO) may see more tokens than it trains on (`scan_mask`).
+    scan = valid if (loss_kwargs or {}).get("scan_mask") is None else loss_kwargs["scan_mask"].bool() | valid
+    divergence = _zero_invalid(None if divergence is None else divergence.detach(), scan)
     entropy = _zero_invalid(entropy, valid)
     ref_logp = _zero_invalid(None if ref_logp is None else ref_logp.detach(), valid)
 
@@ -92,6 +97,8 @@ def compute_policy_loss(
         kwargs.setdefault("old_logp", old_logp)
     if divergence is not None and _accepts(loss_fn, "divergence"):
         kwargs.setdefault("divergence", divergence)
+    if max_response_length is not None and _accepts(loss_fn, "horizon"):
+        kwargs.setdefault("horizon", int(max_response_length))  # CPPO: the recipe's, not a padded width
     pg, metrics = loss_fn(logp, rollout_logp, advantages, response_mask=valid, **kwargs)
 
     extra: dict[str, Tensor] = {}
@@ -123,13 +130,15 @@ def compute_policy_loss(
         totals["loss/entropy"] = agg(entropy).detach()
     totals["loss/total"] = total.detach()
 
+    # A loss's own per-token statistics (DRPO's w, CPPO's thresholds), reported per split.
+    own = {k: v for k, v in metrics.items() if k not in _COMMON_METRICS}
     stats = diagnostics.collect(
         response_mask=valid, advantages=advantages, rollout_logp=rollout_logp, logp=logp,
         masked=metrics["masked"], clipped=metrics["clipped"], ratio=metrics["ratio"],
         divergence=metrics.get("divergence", divergence), entropy=entropy, old_logp=old_logp,
         extra_indicators=extra, totals=totals,
-        split_indicators={"reversed": metrics["reversed"]} if "reversed" in metrics else None,
-        split_values={"drpo_w": metrics["drpo_w"]} if "drpo_w" in metrics else None,
+        split_indicators={k: v for k, v in own.items() if v.dtype == torch.bool} or None,
+        split_values={k: v for k, v in own.items() if v.dtype != torch.bool} or None,
     )
     return total, stats
 

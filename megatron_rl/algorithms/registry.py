@@ -27,6 +27,7 @@ _MODULES = (
     "advantages",
     "aggregation",
     "corrections",
+    "cppo",
     "divergence",
     "kl",
     "policy_losses",

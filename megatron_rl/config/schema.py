@@ -186,9 +186,9 @@ class AlgorithmConfig:
 
     advantage: str = "dr_grpo"  # grpo | dr_grpo | rloo | reinforce_pp | reinforce_pp_baseline | gae (builds the critic)
     advantage_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of the estimator (gae: gamma, lam, whiten)
-    policy_loss: str = "dppo"  # dppo | drpo | ppo | pg_is | cispo | aspo | atr | gspo
+    policy_loss: str = "dppo"  # dppo | cppo | drpo | ppo | pg_is | cispo | aspo | atr | gspo
     loss_kwargs: dict[str, Any] = field(default_factory=dict)  # extra arguments of the policy loss (e.g. delta)
-    divergence: Optional[str] = "binary_tv"  # DPPO divergence: binary_tv | binary_kl | topk_tv | topk_kl
+    divergence: Optional[str] = "binary_tv"  # DPPO / CPPO divergence: binary_tv | binary_kl | topk_tv | topk_kl
     agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     mini_batches: int = 1  # optimizer steps per rollout batch (the batch is split in this many)
     epochs: int = 1  # passes over the rollout batch

@@ -42,7 +42,7 @@ class PolicyLoss:
         self.normalizer = (global_normalizer(mask.to(device), algo.agg_mode, dp_group=dp_group)
                            if dp_group is not None else local_count(mask, algo.agg_mode))
         self.kwargs = dict(algo.loss_kwargs)
-        if algo.policy_loss == "dppo":
+        if algo.policy_loss in ("dppo", "cppo"):
             self.kwargs.setdefault("divergence_type", algo.divergence or "binary_tv")
         # ASPO's per-token ε from each sequence's entropy ranking (aspo_entropy_eps arguments).
         self.entropy_eps = self.kwargs.pop("entropy_eps", None)
@@ -109,6 +109,8 @@ class PolicyLoss:
         """The same loss's diagnostics over fresh and over stale tokens only (no gradient)."""
         a = self.algo
         stale = (self.split_at_step - mb["versions"].long()) > 0
+        if a.policy_loss == "cppo":  # its mask scans whole responses: fresh and stale tokens alike
+            kwargs = {**kwargs, "scan_mask": mb["loss_mask"] > 0}
         for name, part in (("fresh", ~stale), ("stale", stale)):
             mask = mb["loss_mask"] * part.to(mb["loss_mask"].dtype)
             _, stats = compute_policy_loss(

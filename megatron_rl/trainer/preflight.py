@@ -43,7 +43,7 @@ def validate(cfg: JobConfig) -> None:
     """Config checks that need no process group (also run by `dry-run`)."""
     a, r = cfg.algorithm, cfg.rollout
     _check_kwargs("loss_kwargs", a.loss_kwargs, "policy loss", a.policy_loss,
-                  tensors=("divergence", "old_logp", "response_mask"),
+                  tensors=("divergence", "old_logp", "response_mask", "scan_mask"),
                   extra=("entropy_eps",) if a.policy_loss == "aspo" else ())
     _check_kwargs("advantage_kwargs", a.advantage_kwargs, "advantage", a.advantage,
                   tensors=("group_ids_B", "values_BT"))

@@ -484,8 +484,8 @@ def test_aspo_entropy_eps_top_fraction_per_sequence():
 # ----------------------------------------------------------------------------- registry
 
 def test_registry_names_and_unknown_name_error():
-    assert set(names("policy_loss")) == {"pg_is", "ppo", "dppo", "drpo", "aspo", "atr", "cispo", "gspo"}
-    with pytest.raises(UnknownNameError, match="valid names: aspo, atr, cispo, dppo, drpo, gspo, pg_is, ppo"):
+    assert set(names("policy_loss")) == {"pg_is", "ppo", "dppo", "drpo", "aspo", "atr", "cispo", "cppo", "gspo"}
+    with pytest.raises(UnknownNameError, match="valid names: aspo, atr, cispo, cppo, dppo, drpo, gspo, pg_is, ppo"):
         get("policy_loss", "grpo")
     with pytest.raises(UnknownNameError, match="valid kinds"):
         get("loss", "ppo")
