@@ -197,6 +197,7 @@ def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float
 
     import torch
 
+    from megatron_rl.algorithms.adapter import reduce_diagnostics
     from megatron_rl.trainer.policy import PolicyLoss
 
     dev = gpu_common.device()
@@ -208,10 +209,13 @@ def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float
     topk_logp = torch.log_softmax(torch.randn(B, S, K, generator=g), -1).sort(-1, descending=True).values - 0.2
     rl = dict(batch, rollout_logp=-3 * torch.rand(B, S, generator=g), advantages=torch.randn(B, S, generator=g),
               topk_ids=topk_ids, topk_logp=topk_logp)
-    algo = dataclasses.replace(cfg.algorithm, policy_loss="dppo", divergence="topk_tv")
     out = {}
-    # The torch loss (the reference) everywhere; the fused Triton kernel on the GPU.
-    for kernel in ("torch", "triton") if gpu_common.cuda() else ("torch",):
+    # DPPO with the torch loss (the reference) everywhere and the fused Triton kernel on the GPU;
+    # CPPO (its prefix scan on top of the same top-K TV) with the kernel the GPU trains with.
+    kernels = ("torch", "triton") if gpu_common.cuda() else ("torch",)
+    for loss, kernel in [("dppo", k) for k in kernels] + [("cppo", kernels[-1])]:
+        algo = dataclasses.replace(cfg.algorithm, policy_loss=loss, divergence="topk_tv",
+                                   loss_kwargs={"delta": 0.2} if loss == "cppo" else {})
         times, norms = [], []
         for _ in range(WARMUP[dev] + TIMED[dev]):
             loss_fn = PolicyLoss(algo, rl, 1.0, S, kernel=kernel)
@@ -222,8 +226,10 @@ def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float
             times.append(time.perf_counter() - t0)
             norms.append(m["grad_norm"])
         step = statistics.median(times[WARMUP[dev]:])
-        out[f"dppo_topk_{kernel}"] = dict(step_s=step, all_step_s=times, grad_norms=norms,
-                                          over_nll_step=step / statistics.median(nll_times))
+        diag = reduce_diagnostics(loss_fn.stats)
+        out[f"{loss}_topk_{kernel}"] = dict(
+            step_s=step, all_step_s=times, grad_norms=norms, over_nll_step=step / statistics.median(nll_times),
+            masked_frac=diag["masked_frac"], **{k: diag[k] for k in diag if k.startswith("cppo_") and "/" not in k})
     return out
 
 
@@ -272,3 +278,8 @@ def test_learner_throughput_and_mfu(name):
             assert all(0 < n < 1e6 for n in rl["grad_norms"]), rl["grad_norms"]
             print(f"{name}: DPPO top-K TV step ({kernel} loss) {rl['step_s'] * 1e3:.0f} ms = "
                   f"{rl['over_nll_step']:.3f}x the NLL step")
+        cp = torch_[f"cppo_topk_{'triton' if gpu_common.cuda() else 'torch'}"]
+        assert all(0 < n < 1e6 for n in cp["grad_norms"]) and 0 <= cp["masked_frac"] <= 1, cp
+        assert cp["cppo_budget_masked_frac"] + cp["cppo_token_masked_frac"] == pytest.approx(cp["masked_frac"])
+        print(f"{name}: CPPO top-K TV step {cp['step_s'] * 1e3:.0f} ms = {cp['over_nll_step']:.3f}x the NLL step, "
+              f"masked {cp['masked_frac']:.3f} (prefix budget only {cp['cppo_budget_masked_frac']:.3f})")
