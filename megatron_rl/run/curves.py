@@ -4,8 +4,9 @@ run ends with `trainer.plot`, and by `megatron-rl plot RUN_DIR`).
 Panels, two rows: train reward / accuracy; eval mean@k / pass@k; policy entropy; the
 train-vs-rollout mismatch proper (mean |log π − log μ| of the step's first mini-batch, on the
 weights μ came from); |log π − log μ| over all the step's mini-batches (mostly the policy's own
-movement within the step); trust-region masked fractions by μ bucket and advantage sign; step time
-by stage. Several runs side by side: tools/plot.py `plot_compare`.
+movement within the step); trust-region masked fractions by μ bucket and advantage sign (CPPO's
+token test vs prefix budget, DRPO's reversed weights); CPPO's effective threshold; step time by
+stage. Several runs side by side: tools/plot.py `plot_compare`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ PANELS = (
     # Over all mini-batches: mostly the policy moving away from μ within the step, plus the mismatch.
     ("|log pi - log mu| over the step's mini-batches", ("abs_logp_diff/mean",), None),
     ("masked fraction", ("masked_frac", "masked_frac/mu_lt_0.1", "masked_frac/mu_0.1_0.9",
-                         "masked_frac/mu_gt_0.9", "masked_frac/adv_pos", "masked_frac/adv_neg"), None),
+                         "masked_frac/mu_gt_0.9", "masked_frac/adv_pos", "masked_frac/adv_neg",
+                         # CPPO: masked by the weighted token test vs by the prefix budget only;
+                         # DRPO: the tokens whose weight turned negative (its corrective regime)
+                         "cppo_token_masked_frac", "cppo_budget_masked_frac", "reversed_frac"), None),
+    ("CPPO threshold (CPPO runs)", ("cppo_threshold/mean", "cppo_delta_b/mean", "cppo_tightened_frac",
+                                    "cppo_negative_frac"), None),
     ("step time (s)", ("time/step", "time/generate", "time/train", "time/weight_sync", "time/old_logp", "time/ref_logp"), None),
 )
 COLUMNS = 4  # panels per row: two rows of legible panels, not one strip
