@@ -14,6 +14,9 @@ the trust region's masked fraction), and a markdown report with
   (trainer.token_log_every): for every logged token the two rules are evaluated on the same
   (μ, π, A): PPO's ratio clip (ε_low 0.2, ε_high 0.28) stops it iff A>0 and π/μ > 1.28 or A<0 and
   π/μ < 0.8; DPPO's binary TV (δ 0.15) stops it iff A>0 and π−μ > 0.15 or A<0 and μ−π > 0.15.
+  Beside them CPPO's rule (ALGORITHMS.md §12) on the same tokens, each logged sequence scanned whole:
+  binary TV, δ 0.15, w_min 0.8, δ_b 0.02 calibrated per response, the horizon the run's
+  rollout.max_new_tokens; its stops and those only its prefix budget makes.
   Tables by μ bucket and the tokens each rule alone stops, with their context.
 """
 
@@ -103,9 +106,38 @@ def rules(mu: torch.Tensor, pi: torch.Tensor, adv: torch.Tensor) -> tuple[torch.
     return ppo, tv
 
 
+def cppo_stops(parts: list[dict], horizon: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(CPPO binary-TV stops, of them those only the prefix budget makes) per token, in the order of
+    the parts' flat tensors; each part's sequences scanned whole (see the module docstring)."""
+    from megatron_rl.algorithms.cppo import cppo_loss
+
+    stops, budget = [], []
+    for p in parts:
+        m = p["loss_mask"].bool()
+
+        def rows(x):
+            out = torch.zeros(m.shape, dtype=torch.float64)
+            out[m] = x.double()
+            return out
+
+        _, metrics = cppo_loss(rows(p["logp"]), rows(p["rollout_logp"]), rows(p["advantages"]),
+                               response_mask=m, delta=DELTA, w_min=0.8, delta_b=0.02, calibrate=True,
+                               horizon=horizon)
+        stops.append(metrics["masked"][m])
+        budget.append(metrics["cppo_budget_masked"][m])
+    return torch.cat(stops), torch.cat(budget)
+
+
+def max_new_tokens(run: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load((run / "config.yaml").read_text())["rollout"]["max_new_tokens"])
+
+
 def token_analysis(runs: dict[str, list[Path]], tokenizer) -> str:
     lines = ["| method | tokens | bucket | share | PPO-clip stops | TV stops | both | PPO only | TV only | "
-             "mean |π−μ| of PPO-only | mean π/μ of TV-only |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "CPPO stops | CPPO budget only | mean |π−μ| of PPO-only | mean π/μ of TV-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     picked = {"ppo": [], "tv": []}
     for label, dirs in runs.items():
         parts = load_tokens(dirs)
@@ -115,6 +147,7 @@ def token_analysis(runs: dict[str, list[Path]], tokenizer) -> str:
         pi = torch.cat([p["logp"] for p in parts]).double().exp()
         adv = torch.cat([p["advantages"] for p in parts]).double()
         ppo, tv = rules(mu, pi, adv)
+        cppo, cppo_budget = cppo_stops(parts, max_new_tokens(dirs[0]))
         n = len(mu)
         for name, lo, hi in BUCKETS:
             b = (mu >= lo) & (mu < hi)
@@ -125,6 +158,7 @@ def token_analysis(runs: dict[str, list[Path]], tokenizer) -> str:
             lines.append(
                 f"| {label} | {n} | {name} | {k / n:.3f} | {int((b & ppo).sum()) / k:.4f} | {int((b & tv).sum()) / k:.4f} "
                 f"| {int((b & ppo & tv).sum()) / k:.4f} | {int(po.sum()) / k:.4f} | {int(to.sum()) / k:.4f} "
+                f"| {int((b & cppo).sum()) / k:.4f} | {int((b & cppo_budget).sum()) / k:.4f} "
                 f"| {fmt((pi - mu)[po].abs().mean().item() if po.any() else None, '.3f')} "
                 f"| {fmt((pi / mu)[to].mean().item() if to.any() else None, '.3f')} |")
         # examples: the extreme tokens each rule alone stops (largest ratio / largest mass shift),
