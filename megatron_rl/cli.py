@@ -34,7 +34,7 @@ from megatron_rl.config.load import ConfigError, load_config, to_object
 def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command: str, rollout: dict) -> int:
     from omegaconf import OmegaConf
 
-    from megatron_rl.distributed.context import layout_sizes, smallest_world
+    from megatron_rl.distributed.context import launch_world, layout_sizes
     from megatron_rl.rollout.placement import layout_report
 
     from megatron_rl.data.prompts import load_examples
@@ -42,10 +42,11 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
 
     cfg = load_config(recipe, overrides)
     job = to_object(cfg)
+    # --world-size ($WORLD_SIZE: launchers), else the world the recipe is laid out for, else the
+    # smallest that fits
+    world_size = world_size or launch_world(job)
     # The checks `train` makes before it starts anything (trainer/preflight.py), in its order.
-    ready = preflight(job, command=command)
-    # $WORLD_SIZE (launchers), else the world the recipe is laid out for, else the smallest that fits
-    world_size = world_size or job.parallel.world_size or smallest_world(job.parallel)
+    ready = preflight(job, command=command, world_size=world_size)
     sizes = layout_sizes(job.parallel, world_size)
     if command == "train":
         resume = ready.resume
@@ -108,9 +109,12 @@ def _train(recipe: str, overrides: list[str]) -> int:
         first, last = history[0], history[-1]
         acc = [h["rollout/accuracy"] for h in history if "rollout/accuracy" in h]
         if acc:
+            from megatron_rl.rewards import correct_rule
+
             print(f"[megatron-rl] train accuracy {acc[0]:.2f} (step {first['step']}) -> {acc[-1]:.2f} "
-                  f"(step {last['step']}); metrics in {job.trainer.out_dir}/metrics.jsonl, "
-                  f"curves in {job.trainer.out_dir}/curves.png", flush=True)
+                  f"(step {last['step']}; {correct_rule(job.data.reward, job.data.correct_threshold)}); "
+                  f"metrics in {job.trainer.out_dir}/metrics.jsonl, curves in {job.trainer.out_dir}/curves.png",
+                  flush=True)
     return 0
 
 

@@ -75,17 +75,18 @@ class RolloutBatch:
                      with_topk: bool = False, with_routes: bool = False,
                      num_experts: Optional[int] = None,
                      route_shape: Optional[tuple[int, int]] = None,
-                     with_versions: bool = False) -> "RolloutBatch":
+                     with_versions: bool = False, top_k: Optional[int] = None) -> "RolloutBatch":
         """Compact batch of `records` (their tensors are kept, not copied, where the dtype fits).
         `num_experts` and `route_shape` (MoE layers, router top-k) type the routes of a batch that
-        may be empty."""
+        may be empty, `top_k` (rollout.top_k_logprobs) its top-K rows: an empty batch (a producer
+        whose groups all went elsewhere) must have the schema of its peers' for the exchange."""
         P = torch.tensor([r.prompt_ids.numel() for r in records], dtype=torch.int64)
         T = torch.tensor([r.response_ids.numel() for r in records], dtype=torch.int64)
         seq = dict(seq_len=P + T, prompt_len=P, response_len=T,
                    rewards=torch.tensor(list(rewards), dtype=torch.float32),
                    group_ids=torch.tensor(list(group_ids), dtype=torch.int64),
                    mini_batch=torch.tensor(list(mini_batch), dtype=torch.int64),
-                   truncated=torch.tensor([r.finish_reason == "length" for r in records]))
+                   truncated=torch.tensor([r.finish_reason == "length" for r in records], dtype=torch.bool))
         tok: dict[str, list[torch.Tensor]] = {"input_ids": [], "loss_mask": [], "rollout_logp": []}
         if with_topk:
             tok["topk_ids"], tok["topk_logp"] = [], []
@@ -118,7 +119,9 @@ class RolloutBatch:
         spec = {"input_ids": (torch.int32, ()), "loss_mask": (torch.float32, ()),
                 "rollout_logp": (torch.float32, ())}
         if with_topk:
-            K = records[0].topk_ids.shape[1] if records else 0
+            if not records and top_k is None:
+                raise ValueError("an empty batch with top-K rows needs top_k")
+            K = records[0].topk_ids.shape[1] if records else top_k
             spec.update(topk_ids=(torch.int32, (K,)), topk_logp=(torch.float32, (K,)))
         if with_versions:
             spec["versions"] = (torch.int32, ())

@@ -121,6 +121,13 @@ class ParallelContext:
                 f"ep={self.ep} etp={self.etp} sp={self.sequence_parallel} device={self.device.type}")
 
 
+def launch_world(cfg) -> int:
+    """The world size a launch will have: the launcher's (torchrun, srun), else the recipe's
+    `parallel.world_size`, else the smallest the layout fits. `cfg`: the JobConfig."""
+    env = read_launch_env()
+    return env.world_size if env.world_size > 1 else cfg.parallel.world_size or smallest_world(cfg.parallel)
+
+
 def smallest_world(cfg: ParallelConfig) -> int:
     """The smallest world size a layout fits: a multiple of both tp·pp and etp·ep·pp."""
     return math.lcm(cfg.tp * cfg.pp, (cfg.etp or 1) * cfg.ep * cfg.pp)

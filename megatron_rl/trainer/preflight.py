@@ -6,6 +6,8 @@ In the order a user meets the failures:
 - the layout (`check_layout`: heads, KV heads, MLP vs TP, layers vs PP/VPP, experts vs EP);
 - the configuration (`validate`: algorithm arguments, registries, rollout and evaluation settings,
   the placement of the servers), which needs no process group;
+- the batch against the data-parallel ranks (`check_batch_split`: a prompt group per producer, a
+  sequence per rank in each mini-batch);
 - the data files (`check_data_files`);
 - the run folder (`check_resume`: it holds this run or none; `nothing_to_do`: a finished run);
 - storage (`storage_check`: the checkpoints fit the quota and the disk).
@@ -162,6 +164,21 @@ def validate(cfg: JobConfig) -> None:
         check_placement(cfg)
 
 
+def check_batch_split(cfg: JobConfig, dp: int) -> None:
+    """Every data-parallel rank produces groups and trains a share of every mini-batch: at least
+    one prompt group per rank each step, and at least one sequence per rank in each mini-batch."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.prompts_per_step < dp:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} is fewer than the {dp} data-parallel "
+                         f"ranks: each rank's producer generates whole prompt groups; use at least {dp} prompts "
+                         "per step, or fewer ranks")
+    per_mini = r.prompts_per_step // a.mini_batches * r.n_samples
+    if per_mini < dp:
+        raise ValueError(f"a mini-batch holds {per_mini} sequences (rollout.prompts_per_step={r.prompts_per_step} / "
+                         f"algorithm.mini_batches={a.mini_batches} x rollout.n_samples={r.n_samples}), fewer than "
+                         f"the {dp} data-parallel ranks that each train a share of it")
+
+
 @dataclasses.dataclass
 class Ready:
     """What the checks found: where the run resumes, whether it has nothing to do (what to say
@@ -186,13 +203,14 @@ def as_run(cfg: JobConfig) -> JobConfig:
     return run
 
 
-def preflight(cfg: JobConfig, *, command: str = "train") -> Ready:
+def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[int] = None) -> Ready:
     """Every check of a run before any process group, model or server exists (the module's
     docstring lists them); `cfg`'s hub ids become local folders on the way. `command="train-lm"`:
-    no RL run folder, so no resume or storage checks. Raises ValueError (ConfigError,
-    ResumeMismatch) naming what to change."""
+    no RL run folder, so no resume or storage checks. `world_size`: the launch's (default: the
+    launcher's variables, else parallel.world_size, else the smallest the layout fits). Raises
+    ValueError (ConfigError, ResumeMismatch) naming what to change."""
     from megatron_rl.data.prompts import check_data_files
-    from megatron_rl.distributed.context import check_gpu_python
+    from megatron_rl.distributed.context import check_gpu_python, launch_world, layout_sizes
     from megatron_rl.models.hub import resolve_model_paths
     from megatron_rl.models.layout import check_layout
 
@@ -203,6 +221,7 @@ def preflight(cfg: JobConfig, *, command: str = "train") -> Ready:
     check_data_files(cfg.data)
     if command != "train":
         return Ready(Resume(None), None, None)
+    check_batch_split(cfg, layout_sizes(cfg.parallel, world_size or launch_world(cfg))["dp"])
     from megatron_rl.run.checkpoint import storage_check
     from megatron_rl.run.run_dir import check_resume, nothing_to_do
 

@@ -203,7 +203,7 @@ class BatchSource:
             pad_id=self.tokenizer.pad_token_id, with_topk=a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs > 0,
             with_routes=routes, num_experts=cfg.num_moe_experts if routes else None,
             route_shape=(self.learner.router_replay.num_moe_layers, cfg.moe_router_topk) if routes else None,
-            with_versions=True)
+            with_versions=True, top_k=r.top_k_logprobs)
         metrics["_async"] = self._version_counts(batch, records, target)
         return batch, metrics
 

@@ -272,6 +272,27 @@ def test_every_recipe_passes_dry_run(recipe, paper_env, capsys):
         assert f"layout for world size {job.parallel.world_size}:" in out
 
 
+@pytest.mark.parametrize("args,message", [
+    # an empty producer: rank 1 would generate nothing (this crashed in the exchange, batch/exchange.py)
+    (["tiny_cpu", "rollout.prompts_per_step=1", "algorithm.mini_batches=1", "--world-size", "2"],
+     "rollout.prompts_per_step=1 is fewer than the 2 data-parallel ranks"),
+    (["dppo_binary_tv_qwen3_1p7b_base_gsm8k", "--world-size", "128"],
+     "rollout.prompts_per_step=64 is fewer than the 128 data-parallel ranks"),
+    (["tiny_cpu", "rollout.prompts_per_step=4", "rollout.n_samples=1", "algorithm.mini_batches=4",
+      "--world-size", "2"], "a mini-batch holds 1 sequences"),
+])
+def test_dry_run_refuses_fewer_groups_or_sequences_than_data_parallel_ranks(args, message, paper_env, capsys):
+    from megatron_rl import cli
+    from megatron_rl.trainer.preflight import check_batch_split
+
+    assert cli.main(["dry-run", *args]) == 2
+    assert message in capsys.readouterr().err
+    overrides = [a for a in args[1:-2]]
+    with pytest.raises(ValueError, match=re.escape(message)):  # `train` calls it before init_distributed
+        check_batch_split(to_object(load_config(args[0], overrides)), int(args[-1]))
+    assert cli.main(["dry-run", args[0], *overrides, "--world-size", "1"]) == 0
+
+
 @pytest.mark.parametrize("recipe,override,message", [
     ("tiny_cpu", "parallel.tp=3", "parallel.tp=3: 4 attention heads are not divisible by it"),
     ("tiny_cpu", "parallel.pp=3", "parallel.pp=3: 2 layers are not divisible by it"),
