@@ -10,6 +10,8 @@ Tiers (docs/testing.md): a test is in the unit tier unless it is marked `slow`. 
 subprocess. That is enforced here, in every run: a test without the `slow` mark (its fixtures'
 set-up included) that starts a process fails with the reason, so the edit-run loop stays fast and
 a new test lands in the tier it belongs to.
+
+Runs: a session's runs go under a temporary $MRL_RUNS, never the checkout's runs/.
 """
 
 from __future__ import annotations
@@ -23,6 +25,19 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("MRL_DEVICE_CHECK", "1")
+
+# Tests never meet the user's own runs (a `make demo` leaves runs/tiny_cpu, which a test's dry-run
+# would resume, or refuse): every run folder, comparison and base-model cache a test session makes
+# without naming a folder goes under one temporary root ($MRL_RUNS, the runs root, config/schema.py).
+# The controller makes it; xdist workers and every process a test starts inherit it.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _RUNS = tempfile.mkdtemp(prefix="mrl-test-runs-")
+    os.environ["MRL_RUNS"] = _RUNS
+    atexit.register(shutil.rmtree, _RUNS, ignore_errors=True)
 
 
 class ProcessInUnitTier(AssertionError):

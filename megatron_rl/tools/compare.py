@@ -76,8 +76,9 @@ def _finished(run_dir: Path, steps: int) -> bool:
 
 def default_out(recipe: str) -> Path:
     """A comparison's folder when --out is not given: one per recipe, so that comparisons of two
-    recipes never meet (each would take the other's finished runs for its own)."""
-    return Path("runs/compare") / recipe
+    recipes never meet (each would take the other's finished runs for its own); under $MRL_RUNS
+    (default ./runs), where runs go."""
+    return Path(os.environ.get("MRL_RUNS", "runs")) / "compare" / recipe
 
 
 def reusable(run_dir: Path, steps: int, wanted: dict) -> tuple[bool, str]:

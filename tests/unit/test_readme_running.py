@@ -46,6 +46,7 @@ def test_every_running_command_has_a_folder_of_its_own(tmp_path, monkeypatch, ca
     from tests.unit.test_run_dir import finished_run
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MRL_RUNS")  # the user's default: ./runs (tests/conftest.py points it elsewhere)
     finished_run(tmp_path / "runs" / "tiny_cpu", 60)  # `make demo` done
     commands = running_commands()
     folders, wrote = {}, set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -259,3 +260,19 @@ def test_dry_run_prints_only_what_the_run_reads(capsys):
     assert cli.main(["dry-run", "ppo_gae_tiny_cpu"]) == 0
     out = capsys.readouterr().out
     assert "\ncritic:" in out and "\nreward_model:" in out  # PPO's critic and reward model are shown
+
+
+def test_tests_never_meet_the_users_runs(tmp_path, monkeypatch, capsys):
+    """After `make demo` (a finished runs/tiny_cpu where the user works), a test's dry-run of the same
+    recipe starts a folder of its own under the session's $MRL_RUNS (tests/conftest.py)."""
+    monkeypatch.chdir(tmp_path)
+    finished_run(tmp_path / "runs" / "tiny_cpu", 60)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    root = os.environ["MRL_RUNS"]
+    assert not Path(root).resolve().is_relative_to(tmp_path.resolve())
+    assert to_object(load_config("tiny_cpu")).trainer.out_dir == f"{root}/tiny_cpu"
+    assert cli.main(["dry-run", "tiny_cpu", "trainer.steps=1"]) == 0, capsys.readouterr().err
+    assert f"run folder: {root}/tiny_cpu starts at step 0" in capsys.readouterr().out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    monkeypatch.delenv("MRL_RUNS")  # the user's own default, ./runs: the demo's folder is met
+    assert to_object(load_config("tiny_cpu")).trainer.out_dir == "runs/tiny_cpu"
