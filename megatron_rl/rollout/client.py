@@ -278,7 +278,9 @@ class RolloutClient:
                 # training phase between two generation rounds.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 # Every request passes its own total timeout (ServerAPI); this sets the connect one.
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout))
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+                # Never through a user's http_proxy: the servers are the job's own (rollout/direct.py).
+                trust_env=False)
         return self._session
 
     async def close(self) -> None:

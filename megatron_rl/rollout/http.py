@@ -81,7 +81,8 @@ _CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
 
 
 class ServerAPI:
-    """SGLang's HTTP endpoints on one server (sglang 0.5.23 routes and payloads)."""
+    """SGLang's HTTP endpoints on one server (sglang 0.5.23 routes and payloads). `session`: the
+    rollout client's, which never goes through a user's proxy (trust_env=False, rollout/direct.py)."""
 
     def __init__(self, url: str, session: aiohttp.ClientSession, timeout: float = CONTROL_TIMEOUT_S):
         self.url = url.rstrip("/")

@@ -105,6 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     if os.environ.get(ENV) and not server_args.api_key:  # the job's key: from the environment, never argv
         server_args.api_key = os.environ[ENV]
     _add_versions_route()
+    # A server started by hand (or by the sbatch) asks itself at start-up: never through a proxy.
+    from megatron_rl.rollout.direct import direct_env
+
+    os.environ.update(direct_env(os.environ, [server_args.host]))
     try:
         run_server(server_args)
     finally:

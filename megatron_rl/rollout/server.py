@@ -13,7 +13,9 @@ on GPU (`device="cuda"`) the same command runs with `--device cuda`, no CPU patc
 
 A server is started by a trainer rank, but it is not a rank of the trainer's world: its
 environment is the trainer's minus the variables by which a launcher (torchrun, Slurm, MPI) tells
-a process which rank of which job it is (`server_environment`, rule in `is_launcher_variable`).
+a process which rank of which job it is (`server_environment`, rule in `is_launcher_variable`),
+with loopback and the server's host in no_proxy: SGLang asks its own server for /model_info as it
+starts, which a user's proxy must not carry (rollout/direct.py); health checks here go direct too.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import sys
 import threading
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Mapping
+
+from .direct import direct_env, urlopen
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +166,7 @@ def _port_free(host: str, port: int) -> bool:
 
 def http_ok(url: str, timeout: float = 5.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urlopen(url, timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -211,8 +214,8 @@ class SGLangServer:
         return cmd + ["--exit-with-parent"] + list(c.extra_args)
 
     def environment(self) -> dict[str, str]:
-        return server_environment(os.environ, self.config.env, device=self.config.device,
-                                  gpu_ids=self.gpu_ids)
+        return direct_env(server_environment(os.environ, self.config.env, device=self.config.device,
+                                             gpu_ids=self.gpu_ids), [self.config.host])
 
     def start(self) -> None:
         if self.is_alive():

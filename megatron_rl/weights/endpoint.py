@@ -1,7 +1,8 @@
 """A rollout server's admin endpoint as the weight transports see it: a URL, its TP size, POST,
 and its own account of its layout (GET /server_info).
 
-Kept to plain HTTP+JSON so the transports do not depend on the async rollout client.
+Kept to plain HTTP+JSON so the transports do not depend on the async rollout client. Requests go
+direct, never through a user's proxy (rollout/direct.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_rl.rollout import auth
+from megatron_rl.rollout.direct import urlopen
 
 
 class WeightSyncError(RuntimeError):
@@ -66,7 +68,7 @@ class ServerEndpoint:
 
     def _request(self, req: urllib.request.Request, path: str, timeout: float) -> dict:
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
+            with urlopen(req, timeout) as resp:
                 body = resp.read()
         except urllib.error.HTTPError as e:
             raise WeightSyncError(f"{self.url}{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
