@@ -154,6 +154,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--parallel", type=int, default=1, help="runs at once (one server each)")
     p.add_argument("--target", type=float, default=TARGET, help="the accuracy of 'steps to target'")
     p.add_argument("--out", default=None, help="the comparison's folder (default: runs/compare/<recipe>)")
+    p.add_argument("--replace", action="store_true",
+                   help="run again the runs of --out that other settings made (default: refuse, naming them)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
     args = p.parse_args(argv)
     algorithms = args.algorithms if args.algorithms is not None else ("" if args.method else DEFAULT_ALGORITHMS)
@@ -191,6 +193,30 @@ def main(argv: list[str]) -> int:
     threads = max(1, (os.cpu_count() or 1) // lanes)
     r = job.rollout
     start = time.perf_counter()
+
+    def run_overrides(label, seed, run_dir, url) -> list[str]:
+        return [*methods[label], f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",
+                *([f"model.tiny.seed={seed}"] if seeded_init else []),
+                f"trainer.out_dir={run_dir}", "trainer.resume=false",
+                f"rollout.server_urls=[{url}]", "trainer.progress=false", *shared]
+
+    def previous(label, seed) -> tuple[bool, str]:
+        """(keep it, why not) for the run folder of (label, seed) if it exists (see `reusable`)."""
+        run_dir = out / label / f"seed{seed}"
+        if not run_dir.exists():
+            return False, "not finished"
+        wanted = to_object(load_config(args.recipe, run_overrides(label, seed, run_dir, "http://127.0.0.1:1")))
+        if wanted.model.hf_path is None and wanted.model.base.sft_steps > 0:
+            wanted.model.hf_path = str(model)  # as `train` resolves it: the cached base model
+        return reusable(run_dir, args.steps, as_dict(wanted))
+
+    # Finished runs of other settings in this folder are another comparison's: never replaced unasked.
+    others = [f"{out / label / f'seed{seed}'} ({why})" for label, seed in jobs
+              for keep, why in [previous(label, seed)] if not keep and why != "not finished"]
+    if others and not args.replace:
+        print(f"megatron-rl compare: {out} holds runs made with other settings; give this comparison its own "
+              "folder (--out DIR), or run them again with --replace:\n  " + "\n  ".join(others), file=sys.stderr)
+        return 2
     # The runs' seeded sampling needs the server's deterministic mode (server_extra_args).
     with EngineManager(ServerConfig(model_path=str(model), dtype=server_dtype(job), max_total_tokens=r.max_total_tokens,
                                     enable_return_routed_experts=routes, extra_args=server_extra_args(job)),
@@ -202,29 +228,18 @@ def main(argv: list[str]) -> int:
         def run(item) -> None:
             label, seed = item
             run_dir = out / label / f"seed{seed}"
-            if run_dir.exists():
-                wanted = to_object(load_config(args.recipe, run_overrides(label, seed, run_dir, "http://127.0.0.1:1")))
-                if wanted.model.hf_path is None and wanted.model.base.sft_steps > 0:
-                    wanted.model.hf_path = str(model)  # as `train` resolves it: the cached base model
-                wanted = as_dict(wanted)
-                keep, why = reusable(run_dir, args.steps, wanted)
-                if keep:
-                    print(f"[compare] {label} seed {seed}: done before with these settings, kept ({run_dir})", flush=True)
-                    return
-                if why != "not finished":
-                    print(f"[compare] {label} seed {seed}: {run_dir} was run with other settings ({why}); "
-                          f"running it again", flush=True)
+            keep, why = previous(label, seed)
+            if keep:
+                print(f"[compare] {label} seed {seed}: done before with these settings, kept ({run_dir})", flush=True)
+                return
+            if why != "not finished":
+                print(f"[compare] {label} seed {seed}: {run_dir} was run with other settings ({why}); "
+                      f"running it again (--replace)", flush=True)
             url = free.get()  # a server of its own while it runs (a run pushes its weights to it)
             try:
                 _run(label, seed, run_dir, url)
             finally:
                 free.put(url)
-
-        def run_overrides(label, seed, run_dir, url) -> list[str]:
-            return [*methods[label], f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"data.shuffle_seed={seed}",
-                    *([f"model.tiny.seed={seed}"] if seeded_init else []),
-                    f"trainer.out_dir={run_dir}", "trainer.resume=false",
-                    f"rollout.server_urls=[{url}]", "trainer.progress=false", *shared]
 
         def _run(label, seed, run_dir, url) -> None:
             cmd = [sys.executable, "-m", "megatron_rl.cli", "train", args.recipe,

@@ -146,6 +146,23 @@ def test_compare_keeps_only_runs_of_its_own_configuration(tmp_path):
     assert default_out("tiny_cpu") != default_out("testbed_cpu") and default_out("testbed_cpu").name == "testbed_cpu"
 
 
+def test_a_second_comparison_never_replaces_the_first_ones_runs(tmp_path, capsys):
+    """The same recipe compared again with other settings in the same folder is refused before any
+    server starts, naming the runs and the differences (--out for a folder of its own, --replace)."""
+    from megatron_rl.tools.compare import main as compare
+
+    out = tmp_path / "cmp"
+    run = out / "dppo_binary_tv" / "seed0"
+    finished_run(run, 3, "algorithm=dppo_binary_tv", "trainer.steps=3", "optim.lr=1e-3", metrics=True)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    argv = ["--recipe", "tiny_cpu", "--out", str(out), "--algorithms", "dppo_binary_tv", "--seeds", "1",
+            "--steps", "3", "optim.lr=0.5"]
+    assert compare(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{run} (" in err and "optim.lr: 0.001 -> 0.5" in err and "--out DIR" in err and "--replace" in err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+
+
 def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
     before = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in an xdist worker
     stop = StopRequest(announce=True)
