@@ -9,7 +9,8 @@ In the order a user meets the failures:
 - the batch against the data-parallel ranks (`check_batch_split`: a prompt group per producer, a
   sequence per rank in each mini-batch);
 - the data files (`check_data_files`);
-- the run folder (`check_resume`: it holds this run or none; `nothing_to_do`: a finished run);
+- the run folder (`check_resume`: it holds this run or none; `nothing_to_do`: a finished run) and,
+  for `train_only`, the saved rollouts of every step it will train (`check_saved_rollouts`);
 - storage (`storage_check`: the checkpoints fit the quota and the disk).
 Each check lives with its owner (models/layout.py, rollout/placement.py, run/...); this module only
 calls them, so a new setting's check is written beside the code that reads it and added here.
@@ -179,6 +180,26 @@ def check_batch_split(cfg: JobConfig, dp: int) -> None:
                          f"the {dp} data-parallel ranks that each train a share of it")
 
 
+def check_saved_rollouts(cfg: JobConfig, first_step: int) -> None:
+    """trainer.mode=train_only: the saved rollouts of every step it will train are there (a missing
+    step would fail mid-run, after hours, where no checkpoint may hold what was trained)."""
+    from pathlib import Path
+
+    t = cfg.trainer
+    folder = Path(t.rollouts_dir or Path(t.out_dir) / "rollouts")
+    if not folder.is_dir():
+        raise ValueError(f"trainer.mode=train_only reads the rollouts a rollout_only run saved, and "
+                         f"trainer.rollouts_dir={folder} is no folder (write them with trainer.mode=rollout_only)")
+    have = {int(f.name[len("step_"):len("step_") + 8]) for f in folder.glob("step_*.dp*.pt")}
+    missing = [s for s in range(first_step, t.steps) if s not in have]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing)} steps)" if len(missing) > 8 else "")
+        raise ValueError(f"trainer.mode=train_only trains steps {first_step}..{t.steps - 1} from {folder}, which holds "
+                         f"no saved rollouts for step {shown} (it has {len(have)} steps"
+                         + (f": {min(have)}..{max(have)}" if have else "") + "); set trainer.steps, or save them "
+                         "with trainer.mode=rollout_only")
+
+
 @dataclasses.dataclass
 class Ready:
     """What the checks found: where the run resumes, whether it has nothing to do (what to say
@@ -228,6 +249,8 @@ def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[in
     run = as_run(cfg)
     resume = check_resume(run)  # a resume of another experiment fails here, not after the queue
     idle = nothing_to_do(run, resume)
+    if cfg.trainer.mode == "train_only" and idle is None:
+        check_saved_rollouts(run, resume.step)
     storage, problems = storage_check(run)  # a full quota found by the first save, hours in, is found now
     if problems:
         raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))

@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 
 from megatron_rl import cli
+from megatron_rl.config.load import load_config, to_object
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +58,11 @@ def test_every_running_command_has_a_folder_of_its_own(tmp_path, monkeypatch, ca
         folder = out_dir(args)
         assert folder not in folders and folder != "runs/tiny_cpu", (words, folders)
         folders[folder] = args
+        if "trainer.mode=train_only" in args:  # the README's rollout_only command ran first
+            saved = Path([a.split("=", 1)[1] for a in args if a.startswith("trainer.rollouts_dir=")][0])
+            saved.mkdir(parents=True, exist_ok=True)
+            for step in range(to_object(load_config(args[0], args[1:])).trainer.steps):
+                (saved / f"step_{step:08d}.dp0.pt").touch()
         assert cli.main(["dry-run", *args, "--world-size", str(world)]) == 0, capsys.readouterr().err
         assert f"run folder: {folder} starts at step 0" in capsys.readouterr().out, words
         wrote.add(folder)

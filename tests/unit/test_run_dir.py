@@ -163,6 +163,24 @@ def test_a_second_comparison_never_replaces_the_first_ones_runs(tmp_path, capsys
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
 
 
+def test_train_only_dry_run_checks_the_saved_steps(tmp_path, capsys):
+    """A train_only run with more steps than a rollout_only run saved, or a misspelt rollouts_dir, is
+    refused before anything starts (it used to train, then fail at the first missing step)."""
+    saved = tmp_path / "gen" / "rollouts"
+    saved.mkdir(parents=True)
+    for step in range(2):
+        (saved / f"step_{step:08d}.dp0.pt").touch()
+    (saved / "step_00000001.dp1.pt").touch()
+    base = ["dry-run", "tiny_cpu", "trainer.mode=train_only", f"trainer.out_dir={tmp_path / 'train'}"]
+    assert cli.main([*base, f"trainer.rollouts_dir={saved}", "trainer.steps=2"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert cli.main([*base, f"trainer.rollouts_dir={saved}", "trainer.steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert f"trains steps 0..3 from {saved}, which holds no saved rollouts for step 2, 3 (it has 2 steps: 0..1)" in err
+    assert cli.main([*base, f"trainer.rollouts_dir={tmp_path / 'gen' / 'rollout'}", "trainer.steps=2"]) == 2
+    assert f"trainer.rollouts_dir={tmp_path / 'gen' / 'rollout'} is no folder" in capsys.readouterr().err
+
+
 def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
     before = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in an xdist worker
     stop = StopRequest(announce=True)
