@@ -45,7 +45,7 @@ class BaseModelConfig:
     lr: float = 3e-3  # Adam learning rate (constant after warm-up)
     warmup_steps: int = 10  # linear warm-up steps
     seed: int = 0  # data seed of the supervised problems
-    cache_dir: str = "runs/base_models"  # cache root: <cache_dir>/<hash of the rest>/hf
+    cache_dir: str = "${oc.env:MRL_RUNS,runs}/base_models"  # cache root: <cache_dir>/<hash of the rest>/hf ($MRL_RUNS: where runs go, default ./runs)
 
 
 @dataclass
@@ -112,7 +112,7 @@ class TrainConfig:
     chat: bool = False  # prompts in the chat template, as the RL rollouts see them
     target_accuracy: Optional[float] = None  # stop at the first eval whose greedy held-out accuracy reaches this
     log_every: int = 5  # print a metrics line every N steps
-    out_dir: str = "runs/${name}"  # run directory (metrics, plots, tiny model)
+    out_dir: str = "${oc.env:MRL_RUNS,runs}/${name}"  # run directory (metrics, plots, tiny model); $MRL_RUNS: the runs root, default ./runs
 
 
 @dataclass
@@ -143,6 +143,7 @@ class DataConfig:
     reward_workers: int = 2  # processes scoring rewards while responses arrive (rewards/pool.py); >= 1
     reward_timeout: float = 10.0  # seconds per reward call; a call past it is killed, scores 0 and counts in reward/timeouts
     reward_on_error: str = "fail"  # a reward function that raises: fail (stop, naming the sample) | zero (score 0, counted in reward/errors)
+    correct_threshold: float = 1.0  # what rollout/accuracy and eval/pass@k count as correct: the reward function's own verdict where it gives one (built-ins synthetic / scratchpad / math: the answer matched; a user's function returning {"reward": r, "correct": bool}), else a reward >= this (1.0: the built-in rules' score for a right answer, so a 0.1 for a well-formed wrong answer is not counted); the mean reward is rollout/reward_mean and eval/mean@k
     shuffle_seed: int = 0  # prompt order seed (reshuffled every epoch)
     synthetic: SyntheticTaskConfig = field(default_factory=SyntheticTaskConfig)
 
@@ -242,7 +243,8 @@ class RewardModelConfig:
 
 @dataclass
 class EvalConfig:
-    """Held-out evaluation: mean@k and pass@k."""
+    """Held-out evaluation: mean@k (the mean reward of the k samples) and pass@k (the share of
+    prompts with a correct sample among their k: data.correct_threshold says what is correct)."""
 
     every: int = 0  # evaluate every N steps (0 = only at the start and the end)
     num_prompts: int = 64  # held-out prompts
@@ -260,7 +262,7 @@ class TrainerConfig:
 
     steps: int = 100  # training steps (one rollout batch each)
     seed: int = 0  # sampling and data-order seed
-    out_dir: str = "runs/${name}"  # run directory: metrics.jsonl, checkpoints/, plots, server logs
+    out_dir: str = "${oc.env:MRL_RUNS,runs}/${name}"  # run directory: metrics.jsonl, checkpoints/, plots, server logs; $MRL_RUNS: the runs root (default ./runs)
     mode: str = "train"  # train | rollout_only (save rollouts, no training) | train_only (from saved rollouts)
     rollouts_dir: Optional[str] = None  # rollout_only writes / train_only reads here (default out_dir/rollouts)
     save_every: int = 0  # checkpoint every N steps (0 = only at the end and on SIGTERM/SIGUSR1)

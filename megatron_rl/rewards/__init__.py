@@ -8,13 +8,24 @@ A function is per-sample, `fn(response, answer) -> float`, or batched, `fn(respo
 list[float]` (marked with `@batched`, or `fn.batched = True` in a module that does not import
 this package); either may be `async def`. `reward_kind` reads the marks; rewards/pool.py calls
 the function accordingly in its worker processes.
+
+Correct vs rewarded: a score may also say whether the answer is right, so that a reward that pays
+for more than right answers (0.1 for a well-formed answer, 1.0 for a right one) does not read as
+accuracy. A function returns either a number, or `{"reward": r, "correct": bool}` (no import
+needed), or `Scored(r, correct=...)` (a float that carries the verdict). The built-in rule rewards
+(`synthetic`, `scratchpad`, `math`) return `Scored`: correct = the answer matched. `is_correct`
+decides a sample: its verdict where the function gave one, else `reward >= data.correct_threshold`
+(default 1.0, the built-in rewards' score for a right answer; an episode's own `episode.reward` is
+a plain number too). rollout/accuracy and eval/pass@k count correct samples; rollout/reward_mean
+and eval/mean@k stay the mean reward. `correct_rule` says in words which applies (the train
+summary line, eval's report), with a function's `correct_means` text where it sets one.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from megatron_rl.plugins import is_import_path, load_object
 
@@ -23,6 +34,46 @@ _REGISTRY: dict[str, RewardFn] = {}
 
 DEFAULT_MAX_BATCH = 64
 """Calls one worker takes at once for a batched or async function without its own max_batch_size."""
+
+CORRECT_THRESHOLD = 1.0
+"""data.correct_threshold's default: a plain-number reward counts as correct when >= this."""
+
+
+class Scored(float):
+    """A reward that also says whether the answer is right: `Scored(0.1, correct=False)`. It is
+    the float `reward` everywhere a number is used (sums, comparisons, tensors); `correct` is read
+    by `is_correct` (rollout/accuracy, eval/pass@k). A function may return
+    `{"reward": r, "correct": b}` instead; the reward pool turns that into a Scored."""
+
+    __slots__ = ("correct",)
+
+    def __new__(cls, reward: float, correct: bool) -> "Scored":
+        self = super().__new__(cls, reward)
+        self.correct = bool(correct)
+        return self
+
+    def __reduce__(self):  # pickles (the pool's pipe) as a Scored, not a bare float
+        return (Scored, (float(self), self.correct))
+
+    def __repr__(self) -> str:
+        return f"Scored({float(self)!r}, correct={self.correct})"
+
+
+def is_correct(score: Any, threshold: float = CORRECT_THRESHOLD) -> bool:
+    """Whether a sample's answer counts as right: the reward function's own verdict (a `Scored`),
+    else its reward >= `threshold` (data.correct_threshold)."""
+    verdict = getattr(score, "correct", None)
+    return bool(verdict) if verdict is not None else float(score) >= threshold
+
+
+def correct_rule(spec: str, threshold: float = CORRECT_THRESHOLD) -> str:
+    """What counts as correct under the reward `spec`, in words (summary lines, eval reports)."""
+    fn = get_reward(spec)
+    own = getattr(fn, "correct_means", None)
+    if own:
+        return f"correct = {own} (data.reward={spec})"
+    return (f"correct = the reward function's verdict where it returns one ({{'reward': r, 'correct': "
+            f"bool}}), else reward >= {threshold:g} (data.correct_threshold; data.reward={spec})")
 
 
 def register_reward(name: str):

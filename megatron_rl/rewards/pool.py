@@ -31,8 +31,12 @@ after ~6 s), but a call stuck inside one C operation does not see the signal, an
 not have any limit: the kill is the bound that always holds. Workers are processes for exactly
 that reason: a hung thread cannot be stopped.
 
+Results: a number, or one that says whether the answer is right (`Scored`, or a dict
+{"reward": r, "correct": bool}; rewards/__init__.py), which reaches `collect` as a `Scored`.
+
 Errors: an exception in the reward function, a result that is not a finite number (a str, None,
-NaN), a batched result of the wrong length (an error for every sample of that call, naming the
+NaN; a dict without "reward", with other keys or a "correct" that is not a bool), a batched result
+of the wrong length (an error for every sample of that call, naming the
 function), or a worker process that dies mid-call. A batched call that raises, or a worker that
 dies mid-batch, is retried one sample per call like a timeout, so the error names the sample that
 caused it. With `on_error="fail"` (data.reward_on_error) `collect` raises `RewardError` naming
@@ -77,7 +81,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 from megatron_rl.plugins import absolute, is_import_path
-from megatron_rl.rewards import RewardKind, get_reward, reward_kind
+from megatron_rl.rewards import RewardKind, Scored, get_reward, reward_kind
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +131,10 @@ class RewardError(RuntimeError):
 @dataclass
 class Collected:
     """What `collect(keys)` returns: a score for every key (0.0 for a timed-out call, and with
-    on_error=zero for a failed one), the keys whose call was killed at the timeout, the samples
-    the function failed on (on_error=zero) and the seconds `collect` spent waiting."""
+    on_error=zero for a failed one — both wrong answers), the keys whose call was killed at the
+    timeout, the samples the function failed on (on_error=zero) and the seconds `collect` spent
+    waiting. A score is a float; a `Scored` (rewards/__init__.py) where the function said whether
+    the answer is right (`is_correct` reads it)."""
 
     scores: dict[Any, float]
     timed_out: list[Any]
@@ -160,9 +166,25 @@ _IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR
 rewards these workers score — and checkpoints; the workers die with it (PR_SET_PDEATHSIG)."""
 
 
+_RESULT_KEYS = ("reward", "correct")
+
+
 def _checked(reward: str, value: Any) -> tuple[str, Any]:
-    """(status, score or error) for one result: a finite number, or an error saying what it was."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+    """(status, score or error) for one result: a finite number — a `Scored` when the function said
+    whether the answer is right (a Scored, or a dict {"reward": r, "correct": bool}) — or an error
+    saying what it was."""
+    correct = value.correct if isinstance(value, Scored) else None
+    if isinstance(value, dict):
+        extra = sorted(map(str, set(value) - set(_RESULT_KEYS)))
+        if "reward" not in value or extra:
+            return _ERROR, (f"reward {reward!r} returned the dict {_clip(value)}; a dict needs the key 'reward' "
+                            f"and may have 'correct' (a bool){f', not {extra}' if extra else ''}")
+        value, correct = value["reward"], value.get("correct")
+        # A bool (numpy's too), or None: the threshold decides (data.correct_threshold).
+        if correct is not None and not (isinstance(correct, bool) or type(correct).__name__ in ("bool_", "bool")):
+            return _ERROR, (f"reward {reward!r} returned 'correct': {type(correct).__name__} {_clip(correct)}; "
+                            "need True, False or None")
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__float__"):
         return _ERROR, f"reward {reward!r} returned {type(value).__name__} {_clip(value)}, not a number"
     try:
         score = float(value)
@@ -170,7 +192,7 @@ def _checked(reward: str, value: Any) -> tuple[str, Any]:
         return _ERROR, f"reward {reward!r} returned {type(value).__name__} {_clip(value)}, not a number ({e})"
     if not math.isfinite(score):
         return _ERROR, f"reward {reward!r} returned {score}, not a finite number"
-    return _OK, score
+    return _OK, (score if correct is None else Scored(score, correct=bool(correct)))
 
 
 def _traceback(e: BaseException) -> str:
@@ -367,10 +389,10 @@ class RewardPool:
             if status == _OK:
                 scores[k] = value
             elif status == _TIMEOUT:
-                scores[k] = 0.0
+                scores[k] = Scored(0.0, correct=False)
                 timed_out.append(k)
             else:
-                scores[k] = 0.0
+                scores[k] = Scored(0.0, correct=False)
                 errors.append(FailedSample(k, text, answer, value))
         if errors and self.on_error == "fail":
             raise RewardError(self.reward, errors)

@@ -1,7 +1,8 @@
 """Evaluation on held-out prompts: its metrics, and an evaluation beside training.
 
 `Fleet.evaluate` samples eval.k responses per prompt with the evaluation's own admission budget
-(never training's slots); `eval_metrics` turns their rewards into mean@k and pass@k. With
+(never training's slots); `eval_metrics` turns their rewards into mean@k (the mean reward) and
+pass@k (the share of prompts with a correct sample: rewards/__init__.py `is_correct`). With
 eval.servers > 0, `BesideTraining` runs it on a thread on the last eval.servers servers of the
 push just made, which keep those weights (no push reaches them, no producer samples there) until it
 ends; its metrics join the row of the step it ends in.
@@ -14,20 +15,24 @@ import time
 from typing import Optional
 
 from megatron_rl.data.prompts import Prompt
+from megatron_rl.rewards import CORRECT_THRESHOLD, is_correct
 
 
-def eval_metrics(rewards: list[list[float]], k: int, missing: int = 0) -> dict[str, float]:
-    """mean@k (over the samples) and pass@k (a prompt passes when one of its k samples scores above
-    0). With samples `missing` (eval.timeout), mean@k is over the samples that finished and pass@k
-    over the prompts whose k samples all did (fewer samples would understate it); a metric with
-    nothing to average over is left out, and eval/missing_samples counts the rest."""
+def eval_metrics(rewards: list[list[float]], k: int, missing: int = 0,
+                 threshold: float = CORRECT_THRESHOLD) -> dict[str, float]:
+    """mean@k (the mean reward over the samples) and pass@k (a prompt passes when one of its k
+    samples is correct: the reward function's verdict where it gave one (a `Scored`), else a reward
+    >= `threshold`, data.correct_threshold; a positive reward alone is not a pass). With samples
+    `missing` (eval.timeout), mean@k is over the samples that finished and pass@k over the prompts
+    whose k samples all did (fewer samples would understate it); a metric with nothing to average
+    over is left out, and eval/missing_samples counts the rest."""
     finished = [r for row in rewards for r in row]
     whole = [row for row in rewards if len(row) == k]
     out = {}
     if finished:
-        out[f"eval/mean@{k}"] = sum(finished) / len(finished)
+        out[f"eval/mean@{k}"] = sum(map(float, finished)) / len(finished)
     if whole:
-        out[f"eval/pass@{k}"] = sum(any(r > 0 for r in row) for row in whole) / len(whole)
+        out[f"eval/pass@{k}"] = sum(any(is_correct(r, threshold) for r in row) for row in whole) / len(whole)
     if missing:
         out["eval/missing_samples"] = float(missing)
     return out

@@ -38,7 +38,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.data.prompts import Prompt
 from megatron_rl.distributed.collectives import all_reduce_sum
 from megatron_rl.distributed.context import ParallelContext
-from megatron_rl.rewards import get_reward
+from megatron_rl.rewards import get_reward, is_correct
 from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import placement
 from megatron_rl.rollout.admission import FleetBudget, LocalCounts
@@ -382,18 +382,19 @@ class Fleet:
             rounds += 1
         order = (order + spare)[:want]
         uids = {key: p.uid for key, p in drawn.items()}
-        records, rewards, gids = [], [], []
+        records, rewards, gids, correct = [], [], [], 0
         for gi, key in enumerate(order):
             if key in mine:
                 g, rw = mine[key]
                 for rec in g:
                     rec.prompt_index = gi  # group ids follow the batch order
                 records += g
-                rewards += rw
+                rewards += map(float, rw)  # plain floats; the verdicts are counted here
+                correct += sum(is_correct(x, self.cfg.data.correct_threshold) for x in rw)
                 gids += [gi] * len(g)
         rw = torch.tensor(rewards, dtype=torch.float64)
         sums = torch.tensor([
-            len(records), float(rw.sum()), float((rw > 0).sum()),
+            len(records), float(rw.sum()), float(correct),
             sum(len(set(mine[k][1])) > 1 for k in order if k in mine), len([k for k in order if k in mine]),
             float(sum(rec.num_response_tokens for rec in records)),
             float(sum(rec.finish_reason == "length" for rec in records)),
@@ -415,10 +416,11 @@ class Fleet:
     def finish_metrics(sums: torch.Tensor) -> dict[str, float]:
         """The step's rollout metrics from the producers' summed `_sums` (episodes add the mean
         model and environment tokens per episode and the fraction of episodes with any
-        environment token, e.g. those that called a tool)."""
-        n, rsum, pos, informative, n_groups, length, truncated, retries, timeouts, errors = sums[:10].tolist()
+        environment token, e.g. those that called a tool). rollout/accuracy: the share of correct
+        samples (rewards/__init__.py `is_correct`), not of positive rewards."""
+        n, rsum, correct, informative, n_groups, length, truncated, retries, timeouts, errors = sums[:10].tolist()
         n, n_groups = max(n, 1.0), max(n_groups, 1.0)
-        out = {"rollout/reward_mean": rsum / n, "rollout/accuracy": pos / n,
+        out = {"rollout/reward_mean": rsum / n, "rollout/accuracy": correct / n,
                "rollout/informative_groups": informative / n_groups,
                "rollout/response_len_mean": length / n, "rollout/truncated_frac": truncated / n,
                "rollout/retries": retries, "reward/timeouts": timeouts, "reward/errors": errors}
@@ -429,9 +431,9 @@ class Fleet:
         return out
 
     def evaluate(self, prompts: list[Prompt], step: int, versions: bool = False) -> dict[str, float]:
-        """Rank 0: mean@k and pass@k on held-out prompts (episodes of rollout.generate when set).
-        `versions`: also eval/weight_version, the weight version every evaluated token came from
-        (-1 if they differ)."""
+        """Rank 0: mean@k (the mean reward) and pass@k (a correct sample among k) on held-out prompts
+        (episodes of rollout.generate when set). `versions`: also eval/weight_version, the weight
+        version every evaluated token came from (-1 if they differ)."""
         e = self.cfg.eval
         sampling = self.sampling(step, e.temperature, e.max_new_tokens or self.cfg.rollout.max_new_tokens, e.top_p,
                                  salt=999)
@@ -449,7 +451,7 @@ class Fleet:
             print(f"[megatron-rl] eval at step {step}: eval.timeout={e.timeout:g}s reached, {missing} of "
                   f"{len(prompts) * e.k} samples aborted; metrics over the {finished} that finished "
                   f"({sum(len(row) == e.k for row in rewards)} prompts complete)", flush=True)
-        out = eval_metrics(rewards, e.k, missing)
+        out = eval_metrics(rewards, e.k, missing, self.cfg.data.correct_threshold)
         if versions:
             out["eval/weight_version"] = float(seen.pop()) if len(seen) == 1 else -1.0
         return out

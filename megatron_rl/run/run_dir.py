@@ -35,7 +35,7 @@ CONFIG = "config.yaml"
 # Dotted keys (or key prefixes ending in ".") a resume may change. Everything else defines the
 # experiment; a new config key is therefore part of it until it is listed here.
 OPERATIONAL = (
-    "name", "hardware",
+    "name", "hardware", "data.correct_threshold",
     "trainer.steps", "trainer.out_dir", "trainer.resume", "trainer.allow_config_change",
     "trainer.save_every", "trainer.keep_checkpoints", "trainer.async_save", "trainer.time_limit",
     "trainer.time_limit_margin", "trainer.progress", "trainer.plot",

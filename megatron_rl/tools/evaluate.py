@@ -1,16 +1,23 @@
 """`megatron-rl eval MODEL [overrides]`: mean@k / pass@k of a model on served samples, no training.
 
-MODEL is a Hugging Face folder (its config: `--recipe`, default tiny_cpu, plus the overrides) or a
-run directory (its config.yaml plus the overrides; its newest checkpoint, or `--step N`, is first
-exported to RUN_DIR/export/step_<N> with `megatron-rl export`'s code at world size 1, and an
-existing export is reused). The prompts are the config's eval set (`data.eval_files`, or the
-synthetic task's held-out problems), the first `eval.num_prompts` of them (0: every row of
-data.eval_files); each gets `eval.k` samples at `eval.temperature` / `eval.top_p`, up to
-`eval.max_new_tokens` (default rollout.max_new_tokens), scored by `data.reward`. The samples and
-scores come from the trainer's own `Fleet.evaluate`, so mean@k (the mean reward) and pass@k (the
-share of prompts with a reward > 0 among their k samples) are what a training run logs as
-eval/mean@k and eval/pass@k; with `rollout.seeded` the samples' seeds follow trainer.seed and the
-checkpoint's step as the trainer's evaluation at that step does.
+MODEL is one of (the config in parentheses, the overrides always on top; which config, data and
+reward it evaluates with is printed first):
+- a run directory (its config.yaml; its newest checkpoint, or `--step N`, is first exported to
+  RUN_DIR/export/step_<N> with `megatron-rl export`'s code at world size 1, and an existing export
+  is reused);
+- a folder `megatron-rl export` wrote (the config that wrote its checkpoint, which the export keeps
+  as megatron_rl_run_config.yaml; an older export without it: the config.yaml of the run named in
+  its megatron_rl_export.json), sampled with the seeds of the checkpoint's step; `--recipe` uses a
+  recipe instead, as for any HF folder;
+- any other Hugging Face folder (`--recipe`, default tiny_cpu: the demo's synthetic task).
+The prompts are the config's eval set (`data.eval_files`, or the synthetic task's held-out
+problems), the first `eval.num_prompts` of them (0: every row of data.eval_files); each gets
+`eval.k` samples at `eval.temperature` / `eval.top_p`, up to `eval.max_new_tokens` (default
+rollout.max_new_tokens), scored by `data.reward`. The samples and scores come from the trainer's
+own `Fleet.evaluate`, so mean@k (the mean reward) and pass@k (the share of prompts with a correct
+sample among their k: the reward's own verdict, else a reward >= data.correct_threshold) are what a
+training run logs as eval/mean@k and eval/pass@k; with `rollout.seeded` the samples' seeds follow
+trainer.seed and the checkpoint's step as the trainer's evaluation at that step does.
 
 Servers: `rollout.num_servers` local SGLang servers on this machine serving MODEL (on CUDA the
 `rollout.gpu_ids`, default the first num_servers x server_tp visible GPUs), stopped at the end; or
@@ -41,11 +48,42 @@ def _is_run_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and not (path / "config.json").is_file()
 
 
+def export_record(folder: Path) -> Optional[dict]:
+    """megatron_rl_export.json of a folder `megatron-rl export` wrote (run, step, config), or None."""
+    from megatron_rl.tools.export import PROVENANCE_FILE
+
+    path = folder / PROVENANCE_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def export_config_file(folder: Path, record: dict) -> Path:
+    """The config an export was made from: its own copy (megatron_rl_run_config.yaml), else (an
+    export made before it kept one) the config.yaml of the run it names; an error when neither is
+    there."""
+    from megatron_rl.tools.export import CONFIG_FILE, RUN_CONFIG_FILE
+
+    own = folder / record.get("config", RUN_CONFIG_FILE)
+    run = Path(record["run_dir"]) / CONFIG_FILE if record.get("run_dir") else None
+    for path in (own, run):
+        if path is not None and path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"{folder} is an export of {record.get('run_dir', 'a run')} (megatron_rl_export.json), but neither its "
+        f"{own.name} nor {run or 'the run config.yaml'} is there: the run's data, reward and eval settings are "
+        "unknown. Give the config with --recipe RECIPE (plus data.* / eval.* overrides)")
+
+
+def _with(overrides: list[str]) -> str:
+    return f" + {' '.join(overrides)}" if overrides else ""
+
+
 def resolve_model(model: str, recipe: Optional[str], overrides: list[str],
                   step: Optional[int]) -> tuple[JobConfig, Path, int]:
-    """(config, HF folder to serve, step for the sampling seeds) for MODEL."""
+    """(config, HF folder to serve, step for the sampling seeds) for MODEL; prints which config."""
     from megatron_rl.config.load import load_config, to_object
-    from megatron_rl.tools.export import export_checkpoint, find_checkpoint, load_run_config, step_of
+    from megatron_rl.tools.export import (
+        CONFIG_FILE, export_checkpoint, find_checkpoint, load_config_file, load_run_config, step_of,
+    )
 
     path = Path(model)
     if _is_run_dir(path):
@@ -53,6 +91,7 @@ def resolve_model(model: str, recipe: Optional[str], overrides: list[str],
             raise ValueError(f"--recipe is the config of a HF folder; the run directory {model} has its own "
                              "(config.yaml): give overrides instead")
         cfg = load_run_config(path, overrides, drop=("parallel",))
+        print(f"[megatron-rl] eval: config {path / CONFIG_FILE}{_with(overrides)}", flush=True)
         checkpoint = find_checkpoint(path, step)
         hf = path / "export" / checkpoint.name
         if hf.is_dir():  # complete: an export is renamed into place only when written
@@ -68,8 +107,20 @@ def resolve_model(model: str, recipe: Optional[str], overrides: list[str],
                                 "(no config.yaml)")
     if step is not None:
         raise ValueError("--step picks a checkpoint of a run directory; MODEL is a HF folder")
+    record = export_record(path)
+    if record is not None and recipe is None:
+        # An export: its run's data, reward and eval settings, at the checkpoint's step (its seeds).
+        source = export_config_file(path, record)
+        cfg = load_config_file(source, overrides, drop=("parallel",))
+        cfg.model.hf_path = str(path)
+        seed_step = int(record.get("step", 0))
+        print(f"[megatron-rl] eval: {path} is an export of {record.get('run_dir')} (step {seed_step}); config "
+              f"{source}{_with(overrides)}", flush=True)
+        return cfg, path, seed_step
     cfg = to_object(load_config(recipe or "tiny_cpu", overrides))
     cfg.model.hf_path = str(path)
+    why = "--recipe" if recipe else "the default for a HF folder; --recipe RECIPE to choose"
+    print(f"[megatron-rl] eval: config recipe {recipe or 'tiny_cpu'} ({why}){_with(overrides)}", flush=True)
     return cfg, path, 0
 
 
@@ -117,6 +168,14 @@ def load_on_servers(urls: list[str], hf: Path) -> None:
                                "(it must see that path and serve the same architecture)")
 
 
+def eval_data(cfg: JobConfig):
+    """The eval set a config names, as printed and reported: data.eval_files, or the synthetic task."""
+    d = cfg.data
+    if d.source == "files":
+        return list(d.eval_files)
+    return f"synthetic op={d.synthetic.op} (held-out seed {d.synthetic.seed + 1})"
+
+
 def evaluate(cfg: JobConfig, hf: Path, step: int, log_dir: Path) -> dict:
     """mean@k / pass@k of the model in `hf` on the config's eval prompts; returns the report."""
     from transformers import AutoTokenizer
@@ -124,6 +183,7 @@ def evaluate(cfg: JobConfig, hf: Path, step: int, log_dir: Path) -> dict:
     from megatron_rl.config.schema import ParallelConfig
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.data.prompts import check_data_files, load_examples, tokenize
+    from megatron_rl.rewards import correct_rule
     from megatron_rl.rollout.fleet import Fleet
 
     e, d, r = cfg.eval, cfg.data, cfg.rollout
@@ -136,6 +196,9 @@ def evaluate(cfg: JobConfig, hf: Path, step: int, log_dir: Path) -> dict:
         raise ValueError(f"eval.k={e.k} must be >= 1")
     tokenizer = AutoTokenizer.from_pretrained(hf)
     prompts = tokenize(load_examples(d, "eval", e.num_prompts), tokenizer)
+    data, rule = eval_data(cfg), correct_rule(d.reward, d.correct_threshold)
+    print(f"[megatron-rl] eval: {len(prompts)} prompts of {data} x {e.k} samples; mean@{e.k}: the mean "
+          f"reward, pass@{e.k}: a correct sample among {e.k}, {rule}", flush=True)
     start = time.perf_counter()
     manager = None
     if r.server_urls:
@@ -157,8 +220,7 @@ def evaluate(cfg: JobConfig, hf: Path, step: int, log_dir: Path) -> dict:
     return {"model": str(hf), "step": step, "metrics": metrics, "num_prompts": len(prompts), "k": e.k,
             "temperature": e.temperature, "top_p": e.top_p,
             "max_new_tokens": e.max_new_tokens or r.max_new_tokens, "seeded": r.seeded, "seed": cfg.trainer.seed,
-            "data": list(d.eval_files) if d.source == "files" else f"synthetic (seed {d.synthetic.seed + 1})",
-            "reward": d.reward, "seconds": round(time.perf_counter() - start, 1)}
+            "data": data, "reward": d.reward, "correct": rule, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def _init_single_process() -> None:

@@ -15,8 +15,11 @@ padded for another TP size loads its real rows (the embedding and output layer a
 The model comes from the run's `config.yaml` (written by `train` and `train-lm`), with Hydra
 overrides on top; its HF source (`model.hf_path`, or the run's `tiny_model/`) gives the
 architecture mapping, the tokenizer and the file layout. OUT_DIR also gets megatron_rl_export.json
-(run, checkpoint, step, the export's layout); it is written as OUT_DIR.tmp and renamed when
-complete, and an existing OUT_DIR is refused.
+(run, checkpoint, step, the export's layout, the config file below) and megatron_rl_run_config.yaml,
+the configuration that wrote the checkpoint (its own config.yaml, else the run's): `megatron-rl eval
+OUT_DIR` evaluates on that run's data, reward and eval settings (tools/evaluate.py), wherever the
+folder is copied. OUT_DIR is written as OUT_DIR.tmp and renamed when complete, and an existing
+OUT_DIR is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from megatron_rl.run.checkpoint import PREFIX, checkpoints_root, latest_checkpoi
 
 CONFIG_FILE = "config.yaml"
 PROVENANCE_FILE = "megatron_rl_export.json"
+RUN_CONFIG_FILE = "megatron_rl_run_config.yaml"  # in an export: the config that wrote its checkpoint
 
 
 def save_run_config(cfg: JobConfig, run_dir: str | Path) -> None:
@@ -50,6 +54,16 @@ def save_run_config(cfg: JobConfig, run_dir: str | Path) -> None:
 def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (), *, drop: Sequence[str] = ()) -> JobConfig:
     """The run's config.yaml, validated against the schema, with Hydra `overrides` applied.
     `drop`: top-level groups reset to their defaults first (export: `parallel`)."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE} (written by "
+                                "`megatron-rl train` and `train-lm` into their out_dir)")
+    return load_config_file(path, overrides, drop=drop)
+
+
+def load_config_file(path: str | Path, overrides: Sequence[str] = (), *, drop: Sequence[str] = ()) -> JobConfig:
+    """A saved job config (a run's config.yaml, an export's megatron_rl_run_config.yaml), validated
+    against the schema, with Hydra `overrides` applied; `drop` as in load_run_config."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -57,10 +71,7 @@ def load_run_config(run_dir: str | Path, overrides: Sequence[str] = (), *, drop:
 
     from megatron_rl.config.load import CONFIGS_DIR, _explain, register_schemas, to_object
 
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory: no {CONFIG_FILE} (written by "
-                                "`megatron-rl train` and `train-lm` into their out_dir)")
+    path = Path(path)
     saved = OmegaConf.load(path)
     for group in drop:
         saved.pop(group, None)
@@ -108,6 +119,12 @@ def find_checkpoint(run_dir: str | Path, step: Optional[int] = None) -> Path:
         raise FileNotFoundError(f"{run_dir} has no checkpoint of step {step}; steps there: "
                                 f"{', '.join(map(str, have)) or 'none'}")
     return path
+
+
+def checkpoint_config_file(run_dir: str | Path, checkpoint: Path) -> Path:
+    """The config that wrote `checkpoint`: its own config.yaml (run/run_dir.py), else the run's."""
+    own = checkpoint / CONFIG_FILE
+    return own if own.is_file() else Path(run_dir) / CONFIG_FILE
 
 
 def hf_source(cfg: JobConfig, run_dir: Path) -> Path:
@@ -179,9 +196,14 @@ def export_checkpoint(run_dir: str | Path, out_dir: str | Path, step: Optional[i
         dist.barrier()
     save_hf_checkpoint(bridge, chunks, tmp, tokenizer_src=hf_path)
     if ctx.rank == 0:
+        # What `megatron-rl eval OUT_DIR` evaluates with: the run's data, reward and eval settings.
+        config = checkpoint_config_file(run_dir, checkpoint)
+        shutil.copyfile(config, tmp / RUN_CONFIG_FILE)
         (tmp / PROVENANCE_FILE).write_text(json.dumps(
             {"run_dir": str(run_dir.resolve()), "checkpoint": checkpoint.name, "step": step_of(checkpoint),
-             "hf_source": str(Path(hf_path).resolve()), "export_layout": ctx.describe()}, indent=1) + "\n")
+             "hf_source": str(Path(hf_path).resolve()), "export_layout": ctx.describe(),
+             "config": RUN_CONFIG_FILE, "config_source": str(config.resolve()),
+             "export_overrides": list(overrides)}, indent=1) + "\n")
         os.replace(tmp, out_dir)
         print(f"[megatron-rl] exported {checkpoint} -> {out_dir} ({ctx.describe()}, "
               f"{time.perf_counter() - start:.1f}s)", flush=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import inspect
+import math
 from typing import Optional
 
 from megatron_rl.algorithms.registry import get
@@ -97,6 +98,9 @@ def validate(cfg: JobConfig) -> None:
     from megatron_rl.rewards import get_reward, reward_kind
     from megatron_rl.rewards.pool import ON_ERROR
 
+    if not math.isfinite(cfg.data.correct_threshold):
+        raise ValueError(f"data.correct_threshold={cfg.data.correct_threshold}: a finite reward (a sample scoring at "
+                         "least this is correct, where the reward function gives no verdict of its own)")
     if cfg.data.reward_on_error not in ON_ERROR:
         raise ValueError(f"data.reward_on_error={cfg.data.reward_on_error!r}; valid: {', '.join(ON_ERROR)}")
     # The reward resolves here, in the parent, with plugins' error (a missing module or function),
