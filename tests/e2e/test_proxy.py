@@ -49,4 +49,5 @@ def test_train_with_a_dead_proxy_exported(tmp_path, monkeypatch):
     assert proc.returncode == 0, output[-5000:] + "\nserver log tail:\n" + server_log[-3000:]
     assert "megatron-rl: start #0 of server 0" in server_log  # started by rank 0, not given
     assert "ProxyError" not in server_log
+    assert '"POST /generate HTTP/1.1" 200' not in server_log  # no access line per request (launch_server.quiet_http)
     assert [r["step"] for r in read_metrics(out_dir) if r["step"] >= 0] == [0]

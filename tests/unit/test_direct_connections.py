@@ -123,3 +123,14 @@ def test_sbatch_health_checks_and_processes_go_direct():
     curls = [line for line in script.splitlines() if "curl " in line and not line.lstrip().startswith("#")]
     assert curls and all("--noproxy '*'" in line for line in curls), curls
     assert "export no_proxy NO_PROXY=$no_proxy" in script
+
+
+def test_server_http_access_log_is_quiet_unless_asked():
+    from megatron_rl.rollout.launch_server import quiet_http
+
+    # SGLang's --log-level-http: the level of its uvicorn access log (a server's log shows none of
+    # the requests of a run: tests/e2e/test_proxy.py)
+    base = ["--model-path", "m", "--device", "cpu"]
+    assert quiet_http(base) == [*base, "--log-level-http", "warning"]
+    for own in (["--log-level-http", "info"], ["--log-level-http=debug"]):
+        assert quiet_http([*base, *own]) == [*base, *own]
