@@ -82,15 +82,9 @@ def _add_versions_route() -> None:
         return versions
 
 
-def quiet_http(argv: list[str]) -> list[str]:
-    """The server's arguments with its HTTP access log at warning level unless they set one: at
-    info, every request is a line (64k lines for a 5-minute CPU demo), burying what matters."""
-    if any(a == "--log-level-http" or a.startswith("--log-level-http=") for a in argv):
-        return argv
-    return [*argv, "--log-level-http", "warning"]
-
-
 def main(argv: list[str] | None = None) -> None:
+    from megatron_rl.rollout.placement import quiet_http  # no torch at import: safe before CUDA
+
     argv = quiet_http(sys.argv[1:] if argv is None else argv)
     if "--exit-with-parent" in argv:
         argv = [a for a in argv if a != "--exit-with-parent"]

@@ -76,6 +76,15 @@ _PP_FLAGS = ("--pp-size", "--pipeline-parallel-size")
 _EP_FLAGS = ("--ep-size", "--expert-parallel-size", "--ep")
 
 
+def quiet_http(argv: list[str]) -> list[str]:
+    """A server's arguments with its HTTP access log at warning level unless they set one
+    (launch_server applies it to every server): at info, every request is a line (25k lines per
+    server in a 30-step testbed run), burying what matters."""
+    if any(a == "--log-level-http" or a.startswith("--log-level-http=") for a in argv):
+        return argv
+    return [*argv, "--log-level-http", "warning"]
+
+
 def flag_value(args: Sequence[str], names: Sequence[str]) -> Optional[str]:
     """The value of the last of `names` in an argument list (`--x v` or `--x=v`), else None."""
     value = None

@@ -126,10 +126,10 @@ def test_sbatch_health_checks_and_processes_go_direct():
 
 
 def test_server_http_access_log_is_quiet_unless_asked():
-    from megatron_rl.rollout.launch_server import quiet_http
+    from megatron_rl.rollout.placement import quiet_http
 
     # SGLang's --log-level-http: the level of its uvicorn access log (a server's log shows none of
-    # the requests of a run: tests/e2e/test_proxy.py)
+    # the requests of a run: tests/e2e/test_proxy.py); launch_server applies it
     base = ["--model-path", "m", "--device", "cpu"]
     assert quiet_http(base) == [*base, "--log-level-http", "warning"]
     for own in (["--log-level-http", "info"], ["--log-level-http=debug"]):
