@@ -19,7 +19,7 @@ DPPO paper trains and evaluates with (its AIME avg@32 uses the training prompt):
 The `math` reward (math-verify) reads the response's final answer, boxed or on that last line.
 
 Sources are the hub datasets below, fetched through huggingface_hub's cache (HF_HUB_OFFLINE=1: the
-cache only, e.g. filled once on a login node with `huggingface-cli download --repo-type dataset ID`):
+cache only, e.g. filled once on a login node with `hf download --repo-type dataset ID`):
 
 | name            | hub dataset                      | fields read                         | rows |
 |-----------------|----------------------------------|-------------------------------------|------|

@@ -42,7 +42,7 @@ def snapshot(repo_id: str, what: str, revision: Optional[str] = None, repo_type:
     except Exception as e:  # noqa: BLE001 - the hub library's errors vary by cause; each is stated
         kind = "" if repo_type == "model" else f" --repo-type {repo_type}"
         where = ("the hub cache only (HF_HUB_OFFLINE=1): fetch it once where the hub is reachable, e.g. "
-                 f"`huggingface-cli download{kind} {repo_id}`, with the same HF_HOME / HF_HUB_CACHE"
+                 f"`hf download{kind} {repo_id}`, with the same HF_HOME / HF_HUB_CACHE"
                  if offline() else "the Hugging Face hub")
         raise FileNotFoundError(f"{what}: not found in {where} "
                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -52,11 +52,25 @@ def is_hub_id(value: str) -> bool:
     return bool(_REPO_ID.match(value)) and ".." not in value
 
 
+def models_root() -> Path:
+    """Where the recipes read checkpoints from: $MRL_MODELS, default ./models (configs/model/)."""
+    return Path(os.environ.get("MRL_MODELS", "models"))
+
+
 def resolve(value: str, key: str = "model.hf_path") -> str:
     """A local checkpoint folder for `value` (a folder, or a hub id resolved into the hub cache)."""
     path = Path(value).expanduser()
     if (path / "config.json").is_file():
         return str(path)
+    root = models_root()
+    if path.parent == root or path.parent.resolve() == root.resolve():
+        # A recipe's `${MRL_MODELS}/<name>`: a folder that is not there, never a hub id ("models/X").
+        raise FileNotFoundError(
+            f"{key}={value}: no Hugging Face checkpoint there (no config.json). The recipes read checkpoints "
+            f"from $MRL_MODELS ({'set: ' + os.environ['MRL_MODELS'] if 'MRL_MODELS' in os.environ else 'unset: ./models'}"
+            f", from {Path.cwd()}): fetch it there, e.g. `hf download {'Qwen' if path.name.startswith('Qwen') else '<org>'}/"
+            f"{path.name} --local-dir {path}`, "
+            f"point MRL_MODELS at the folder that holds {path.name}, or give {key} a folder or a hub id")
     if path.exists() or not is_hub_id(value):
         raise FileNotFoundError(f"{key}={value}: no Hugging Face checkpoint there (no config.json); give a "
                                 f"checkpoint folder or a hub model id such as Qwen/Qwen3-0.6B")

@@ -37,7 +37,7 @@ def test_hub_ids_resolve_to_the_cached_snapshot(offline, tmp_path):
     assert resolve(f"TinyOrg/Tiny-Qwen3@{COMMIT}") == str(snapshot)
     assert resolve(str(snapshot)) == str(snapshot)  # a folder is used as it is
     with pytest.raises(FileNotFoundError, match=r"model.hf_path=TinyOrg/Missing: .*hub cache only \(HF_HUB_OFFLINE=1\)"
-                                                r".*huggingface-cli download TinyOrg/Missing"):
+                                                r".*hf download TinyOrg/Missing"):
         resolve("TinyOrg/Missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no Hugging Face checkpoint there"):
@@ -53,3 +53,17 @@ def test_train_and_dry_run_take_a_hub_id(offline, capsys):
     assert cli.main(["dry-run", "tiny_cpu", "model.hf_path=TinyOrg/Tiny-Qwen3"]) == 0
     assert cli.main(["dry-run", "tiny_cpu", "model.hf_path=TinyOrg/Nope"]) == 2
     assert "TinyOrg/Nope" in capsys.readouterr().err
+
+
+def test_a_recipes_missing_model_names_mrl_models(tmp_path, monkeypatch, capsys):
+    """`models/Qwen3-30B-A3B-Base` (a recipe's ${MRL_MODELS}/name) is a folder that is not there, not a
+    hub id: the error says where the recipes read models from and how to fetch one there."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MRL_MODELS", raising=False)
+    with pytest.raises(FileNotFoundError) as e:
+        resolve("models/Qwen3-30B-A3B-Base")
+    msg = str(e.value)
+    assert "$MRL_MODELS (unset: ./models" in msg and "hf download Qwen/Qwen3-30B-A3B-Base --local-dir models/" in msg
+    monkeypatch.setenv("MRL_MODELS", str(tmp_path / "ckpts"))
+    with pytest.raises(FileNotFoundError, match=r"\$MRL_MODELS \(set: .*ckpts"):
+        resolve(str(tmp_path / "ckpts" / "Llama-3"))
