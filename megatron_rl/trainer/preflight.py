@@ -228,34 +228,68 @@ def as_run(cfg: JobConfig) -> JobConfig:
     return run
 
 
+class _Problems:
+    """The checks' failures, collected so that a dry-run names every problem at once; a check that
+    needs an earlier one's result runs only when that one passed."""
+
+    def __init__(self):
+        self.errors: list[Exception] = []
+
+    def check(self, fn, *args):
+        """(passed, fn's result)."""
+        try:
+            return True, fn(*args)
+        except (ValueError, FileNotFoundError) as e:
+            self.errors.append(e)
+            return False, None
+
+    def raise_any(self) -> None:
+        """One problem: as it was raised (its type kept: ConfigError, ResumeMismatch, ...); several:
+        one ValueError listing them."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            items = ["  {}. {}".format(i, str(e).replace("\n", "\n     ")) for i, e in enumerate(self.errors, 1)]
+            raise ValueError(f"{len(self.errors)} problems, found before anything started:\n" + "\n".join(items))
+
+
 def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[int] = None) -> Ready:
     """Every check of a run before any process group, model or server exists (the module's
     docstring lists them); `cfg`'s hub ids become local folders on the way. `command="train-lm"`:
     no RL run folder, so no resume or storage checks. `world_size`: the launch's (default: the
     launcher's variables, else parallel.world_size, else the smallest the layout fits). Raises
-    ValueError (ConfigError, ResumeMismatch) naming what to change."""
+    ValueError (ConfigError, ResumeMismatch) naming what to change: every problem found, at once."""
     from megatron_rl.data.prompts import check_data_files
     from megatron_rl.distributed.context import check_gpu_python, launch_world, layout_sizes
     from megatron_rl.models.hub import resolve_model_paths
     from megatron_rl.models.layout import check_layout
 
-    check_gpu_python(cfg)  # in a Slurm job: a GPU recipe on a Python without CUDA fails here, named
-    resolve_model_paths(cfg)  # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
-    check_layout(cfg.model, cfg.parallel)  # what Megatron-Core would refuse after the start, said now
-    validate(cfg)
-    check_data_files(cfg.data)
+    p = _Problems()
+    p.check(check_gpu_python, cfg)  # in a Slurm job: a GPU recipe on a Python without CUDA, named
+    # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
+    model_found, _ = p.check(resolve_model_paths, cfg)
+    if model_found:  # what Megatron-Core would refuse after the start, said now
+        p.check(check_layout, cfg.model, cfg.parallel)
+    p.check(validate, cfg)
+    p.check(check_data_files, cfg.data)
     if command != "train":
+        p.raise_any()
         return Ready(Resume(None), None, None)
-    check_batch_split(cfg, layout_sizes(cfg.parallel, world_size or launch_world(cfg))["dp"])
+    p.check(lambda: check_batch_split(cfg, layout_sizes(cfg.parallel, world_size or launch_world(cfg))["dp"]))
     from megatron_rl.run.checkpoint import storage_check
     from megatron_rl.run.run_dir import check_resume, nothing_to_do
 
     run = as_run(cfg)
-    resume = check_resume(run)  # a resume of another experiment fails here, not after the queue
-    idle = nothing_to_do(run, resume)
-    if cfg.trainer.mode == "train_only" and idle is None:
-        check_saved_rollouts(run, resume.step)
-    storage, problems = storage_check(run)  # a full quota found by the first save, hours in, is found now
-    if problems:
-        raise ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems))
+    resumable, resume = p.check(check_resume, run)  # a resume of another experiment, not after the queue
+    idle = nothing_to_do(run, resume) if resumable else None
+    if resumable and cfg.trainer.mode == "train_only" and idle is None:
+        p.check(check_saved_rollouts, run, resume.step)
+    storage = None
+    if model_found:  # a full quota found by the first save, hours in, is found now
+        _, found = p.check(storage_check, run)
+        if found is not None:
+            storage, problems = found
+            if problems:
+                p.errors.append(ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems)))
+    p.raise_any()
     return Ready(resume, idle, storage)

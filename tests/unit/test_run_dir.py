@@ -181,6 +181,22 @@ def test_train_only_dry_run_checks_the_saved_steps(tmp_path, capsys):
     assert f"trainer.rollouts_dir={tmp_path / 'gen' / 'rollout'} is no folder" in capsys.readouterr().err
 
 
+def test_dry_run_names_every_problem_at_once(tmp_path, capsys):
+    """Independent problems come together (the model, the config, the batch, the saved rollouts), not
+    one per launch; one problem alone keeps its own message."""
+    argv = ["dry-run", "tiny_cpu", "rollout.prompts_per_step=1", "algorithm.mini_batches=1", "trainer.mode=train_only",
+            "data.correct_threshold=inf", f"trainer.out_dir={tmp_path / 'run'}",
+            f"model.hf_path={tmp_path / 'nowhere'}", "--world-size", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "4 problems, found before anything started:" in err
+    for i, what in enumerate(["model.hf_path=", "data.correct_threshold=inf", "rollout.prompts_per_step=1 is fewer",
+                              "trainer.mode=train_only reads"], 1):
+        assert f"  {i}. {what}" in err, err
+    assert cli.main(["dry-run", "tiny_cpu", "data.correct_threshold=inf"]) == 2
+    assert "error: data.correct_threshold=inf: a finite reward" in capsys.readouterr().err
+
+
 def test_ctrl_c_stops_at_the_step_end_then_at_once(capfd):
     before = signal.getsignal(signal.SIGINT)  # pytest's, or SIG_IGN in an xdist worker
     stop = StopRequest(announce=True)
