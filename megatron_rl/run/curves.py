@@ -6,7 +6,8 @@ train-vs-rollout mismatch proper (mean |log π − log μ| of the step's first m
 weights μ came from); |log π − log μ| over all the step's mini-batches (mostly the policy's own
 movement within the step); trust-region masked fractions by μ bucket and advantage sign (CPPO's
 token test vs prefix budget, DRPO's reversed weights); CPPO's effective threshold; step time by
-stage. Several runs side by side: tools/plot.py `plot_compare`.
+stage. A supervised run (`train-lm`): loss, greedy eval accuracy, grad norm, tokens/s. Several runs
+side by side: tools/plot.py `plot_compare`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,20 @@ PANELS = (
                                     "cppo_negative_frac"), None),
     ("step time (s)", ("time/step", "time/generate", "time/train", "time/weight_sync", "time/old_logp", "time/ref_logp"), None),
 )
+# A supervised run (`train-lm`, the testbed's base stage) logs its own metrics: its own panels.
+LM_PANELS = (
+    ("loss (masked NLL)", ("loss",), None),
+    ("greedy eval accuracy", ("eval_accuracy",), None),
+    ("grad norm", ("grad_norm",), None),
+    ("tokens/s", ("tokens_per_s",), None),
+)
 COLUMNS = 4  # panels per row: two rows of legible panels, not one strip
+
+
+def panels_for(rows: list[dict]) -> tuple:
+    """The RL run's panels, or a supervised run's (no rollout metrics, a loss): never empty ones."""
+    keys = {k for r in rows for k in r}
+    return LM_PANELS if "loss" in keys and not any(k.startswith("rollout/") for k in keys) else PANELS
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -54,12 +68,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     out = Path(out) if out else run_dir / "curves.png"
-    rows_n = -(-len(PANELS) // COLUMNS)
+    panels = panels_for(rows)
+    rows_n = -(-len(panels) // COLUMNS)
     fig, axes = plt.subplots(rows_n, COLUMNS, figsize=(4.6 * COLUMNS, 3.6 * rows_n), squeeze=False)
     axes = axes.ravel()
-    for ax in axes[len(PANELS):]:
+    for ax in axes[len(panels):]:
         ax.set_visible(False)
-    for ax, (title, keys, prefix) in zip(axes, PANELS):
+    for ax, (title, keys, prefix) in zip(axes, panels):
         keys = list(keys) + sorted({k for r in rows for k in r if prefix and k.startswith(prefix)
                                     and k not in EVAL_BOOKKEEPING})
         for k in keys:

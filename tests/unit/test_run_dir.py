@@ -303,6 +303,19 @@ def test_curves_are_two_rows_and_the_mismatch_stands_alone(tmp_path):
     assert "abs_logp_diff/mean" not in mismatch  # policy drift over the mini-batches is its own panel
 
 
+def test_curves_of_a_supervised_run_have_its_own_panels(tmp_path):
+    """`megatron-rl plot` of a train-lm run: its loss, eval accuracy, grad norm and throughput, not
+    seven empty RL panels."""
+    from megatron_rl.run.curves import LM_PANELS, PANELS, panels_for, plot_run
+
+    rows = [{"step": s, "loss": 3.0 / s, "tokens": 512.0, "grad_norm": 1.0, "step_time": 0.5, "tokens_per_s": 900.0,
+             **({"eval_accuracy": s / 10} if s % 2 else {})} for s in range(1, 6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert panels_for(rows) is LM_PANELS and panels_for([{"step": 0, "loss": 1.0, "rollout/accuracy": 0.5}]) is PANELS
+    assert all(any(k in r for r in rows for k in keys) for _, keys, _ in LM_PANELS)
+    assert plot_run(tmp_path).stat().st_size > 10_000
+
+
 def test_dry_run_prints_only_what_the_run_reads(capsys):
     assert cli.main(["dry-run", "tiny_cpu"]) == 0
     out = capsys.readouterr().out
