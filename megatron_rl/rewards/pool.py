@@ -123,8 +123,10 @@ class RewardError(RuntimeError):
         self.errors = errors
         shown = "\n\n".join(str(e) for e in errors[:3])
         more = f"\n\n... and {len(errors) - 3} more" if len(errors) > 3 else ""
+        keys = [e.key for e in errors]
+        keys_shown = f"{keys[:8]}" if len(keys) <= 8 else f"{str(keys[:8])[:-1]}, ... ({len(keys)} keys)]"
         super().__init__(f"reward {reward!r} failed on {len(errors)} response(s), keys "
-                         f"{[e.key for e in errors]} (data.reward_on_error=zero scores them 0 and counts "
+                         f"{keys_shown} (data.reward_on_error=zero scores them 0 and counts "
                          f"them in reward/errors instead):\n\n{shown}{more}")
 
 

@@ -589,3 +589,14 @@ def test_validate_resolves_the_reward_before_workers_start(override, message):
 
     with pytest.raises(ValueError, match=message):
         validate(to_object(load_config("tiny_cpu", [override])))
+
+
+def test_a_reward_error_for_many_samples_stays_readable():
+    """A reward that fails on a whole batch: the message names 8 keys and the count, and shows 3
+    samples, not one line per failing key (11,980 characters at 256 samples before)."""
+    from megatron_rl.rewards.pool import FailedSample, RewardError
+
+    text = str(RewardError("mine", [FailedSample((i, 0), "x" * 50, "1", "Traceback\nValueError: no")
+                                    for i in range(256)]))
+    assert "(7, 0), ... (256 keys)]" in text and "(8, 0)" not in text.splitlines()[0]
+    assert max(map(len, text.splitlines())) < 300 and text.count("ValueError: no") == 3
