@@ -189,8 +189,11 @@ class Producer:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise ProducerStopped(f"rollout producer failed: {type(self._error).__name__}: "
-                                  f"{self._error}") from self._error
+            # The first line only: the whole error (a reward's samples, a traceback) is the cause
+            # chained below, printed once.
+            first = (str(self._error).splitlines() or [""])[0]
+            raise ProducerStopped(f"rollout producer failed: {type(self._error).__name__}: {first} "
+                                  "(the producer thread's error, above)") from self._error
 
     def _run(self) -> None:
         try:

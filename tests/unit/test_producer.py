@@ -111,8 +111,9 @@ def test_error_reaches_the_consumer():
     p.start(0, published=0)
     p.get(0)
     p.published(1)
-    with pytest.raises(ProducerStopped, match="boom at 1"):
+    with pytest.raises(ProducerStopped, match="boom at 1") as e:
         p.get(1)
+    assert "boom at 1" in str(e.value.__cause__)  # the whole error once, as the cause
     with pytest.raises(ProducerStopped):
         p.drain()
 
