@@ -220,7 +220,11 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     assert sorted(p.name for p in logs.glob("*.log")) == [f"learner-rank0-{HOST}.log",
                                                           f"server0-{HOST}.log"]
     server_log = (logs / f"server0-{HOST}.log").read_text()
-    assert "Uvicorn running on http://0.0.0.0:30517" in server_log, server_log
+    # Bound on every interface at the node's port (SGLang's server_args line: uvicorn's own start-up
+    # line is at info, which the servers' HTTP log level, warning, leaves out: rollout/placement.py
+    # quiet_http), and no access line per request.
+    assert "'host': '0.0.0.0', 'port': 30517" in server_log and "fired up and ready to roll" in server_log, server_log
+    assert '"POST /generate HTTP/1.1" 200' not in server_log, server_log
     # The server ran on the rollout node, the rank on the learner node, and the rank reached it.
     learner_node, rollout_node = hostnames(info["NodeList"])
     assert f"SGLang {rollout_node};" in log and f"learner ranks on {learner_node}," in log, log
