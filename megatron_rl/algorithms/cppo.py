@@ -31,9 +31,8 @@ import math
 
 import torch
 
-from .divergence import binary_kl, binary_tv
-from .policy_losses import (DEFAULT_DELTA_KL, DEFAULT_DELTA_TV, DPPO_DIVERGENCES, _finish, _prepare, _valid,
-                            log_ratio, select_anchor, unit)
+from .policy_losses import (_finish, _prepare, _valid, divergence_and_delta, log_ratio, masked_truncated_loss,
+                            select_anchor)
 from .registry import register
 
 Tensor = torch.Tensor
@@ -129,8 +128,6 @@ def cppo_loss(
     `cppo_budget_masked` (masked only because the prefix budget lowered c_t below Z_t ≤ δ),
     `cppo_tightened` (c_t < δ) and `cppo_negative` (c_t < 0).
     """
-    if divergence_type not in DPPO_DIVERGENCES:
-        raise ValueError(f"unknown divergence_type {divergence_type!r}; valid: {', '.join(DPPO_DIVERGENCES)}")
     if not 0.0 < w_min <= 1.0:
         raise ValueError(f"cppo w_min={w_min} must lie in (0, 1]")
     if not delta_b >= 0:
@@ -144,15 +141,7 @@ def cppo_loss(
         logp, rollout_logp, advantages, old_logp, response_mask)
     scan = valid if scan_mask is None else (_valid(scan_mask, logp) | valid)
     anchor_logp = select_anchor(rollout_logp, old_logp, anchor)
-    if divergence is None:
-        if divergence_type == "binary_tv":
-            divergence = binary_tv(anchor_logp, logp)
-        elif divergence_type == "binary_kl":
-            divergence = binary_kl(anchor_logp, logp)
-        else:
-            raise ValueError(f"divergence_type {divergence_type!r} needs the divergence values "
-                             "(computed from the logits by megatron_rl.vocab_parallel)")
-    d = (DEFAULT_DELTA_TV if divergence_type.endswith("_tv") else DEFAULT_DELTA_KL) if delta is None else delta
+    divergence, d = divergence_and_delta(divergence, divergence_type, anchor_logp, logp, delta)
     Z, c, rate = prefix_thresholds(divergence, scan, delta=d, w_min=w_min, delta_b=delta_b, horizon=horizon,
                                    calibrate=calibrate, calibrate_quantile=calibrate_quantile,
                                    calibrate_max_mult=calibrate_max_mult)
@@ -161,10 +150,7 @@ def cppo_loss(
     rd = torch.exp(lr).detach()
     away = (advantages.to(_F) * torch.expm1(lr.detach().to(_F))) > 0  # A·(ρ − 1) > 0: a move away from μ
     masked = away & (Z > c)
-    w = rd.clamp(max=truncation) if math.isfinite(truncation) else rd
-    loss = torch.where(masked, torch.zeros_like(rd), -advantages * w * unit(logp))
-    weight = torch.where(masked, torch.zeros_like(w), w)
-    clipped = ~masked & (rd > truncation)
+    loss, weight, clipped = masked_truncated_loss(masked, rd, advantages, logp, truncation)
     D = torch.where(valid, divergence.detach(), torch.zeros((), dtype=divergence.dtype, device=divergence.device))
     return _finish(loss, valid, ratio=rd, weight=weight, masked=masked, clipped=clipped, divergence=D,
                    cppo_threshold=c.to(rd.dtype), cppo_delta_b=rate.to(rd.dtype),

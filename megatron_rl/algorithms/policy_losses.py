@@ -111,6 +111,34 @@ def _finish(loss: Tensor, valid: Tensor, **metrics: Tensor) -> tuple[Tensor, dic
     return loss, out
 
 
+def divergence_and_delta(divergence: Tensor | None, divergence_type: str, anchor_logp: Tensor, logp: Tensor,
+                         delta: float | None) -> tuple[Tensor, float]:
+    """DPPO / CPPO: D (given, or the binary one from the sampled-token log-probs) and δ (given, or
+    the default of D's kind: 0.15 for TV, 0.05 for KL)."""
+    if divergence_type not in DPPO_DIVERGENCES:
+        raise ValueError(f"unknown divergence_type {divergence_type!r}; valid: {', '.join(DPPO_DIVERGENCES)}")
+    if divergence is None:
+        if divergence_type == "binary_tv":
+            divergence = binary_tv(anchor_logp, logp)
+        elif divergence_type == "binary_kl":
+            divergence = binary_kl(anchor_logp, logp)
+        else:
+            raise ValueError(f"divergence_type {divergence_type!r} needs the divergence values "
+                             "(computed from the logits by megatron_rl.vocab_parallel)")
+    default = DEFAULT_DELTA_TV if divergence_type.endswith("_tv") else DEFAULT_DELTA_KL
+    return divergence, default if delta is None else delta
+
+
+def masked_truncated_loss(masked: Tensor, ratio: Tensor, advantages: Tensor, logp: Tensor,
+                          truncation: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, weight, clipped) of a divergence trust region: −M·A·sg(min(r, C))·π/sg(π), a masked
+    token's loss and gradient exactly 0 (DPPO, CPPO)."""
+    w = ratio.clamp(max=truncation) if math.isfinite(truncation) else ratio
+    loss = torch.where(masked, torch.zeros_like(ratio), -advantages * w * unit(logp))
+    weight = torch.where(masked, torch.zeros_like(w), w)
+    return loss, weight, ~masked & (ratio > truncation)
+
+
 def _clip_bounds(eps_low, eps_high) -> tuple:
     return 1.0 - eps_low, 1.0 + eps_high
 
@@ -183,21 +211,10 @@ def dppo_loss(
     for binary_tv / binary_kl it is computed here from the sampled-token log-probs when omitted.
     δ defaults: 0.15 for TV, 0.05 for KL; `delta` sets both sides, `delta_low`/`delta_high` each.
     """
-    if divergence_type not in DPPO_DIVERGENCES:
-        raise ValueError(f"unknown divergence_type {divergence_type!r}; valid: {', '.join(DPPO_DIVERGENCES)}")
     valid, logp, rollout_logp, advantages, old_logp = _prepare(
         logp, rollout_logp, advantages, old_logp, response_mask)
     anchor_logp = select_anchor(rollout_logp, old_logp, anchor)
-    if divergence is None:
-        if divergence_type == "binary_tv":
-            divergence = binary_tv(anchor_logp, logp)
-        elif divergence_type == "binary_kl":
-            divergence = binary_kl(anchor_logp, logp)
-        else:
-            raise ValueError(f"divergence_type {divergence_type!r} needs the divergence values "
-                             "(computed from the logits by megatron_rl.vocab_parallel)")
-    default = DEFAULT_DELTA_TV if divergence_type.endswith("_tv") else DEFAULT_DELTA_KL
-    base = default if delta is None else delta
+    divergence, base = divergence_and_delta(divergence, divergence_type, anchor_logp, logp, delta)
     d_low = base if delta_low is None else delta_low
     d_high = base if delta_high is None else delta_high
 
@@ -207,10 +224,7 @@ def dppo_loss(
     up = lr.detach() > 0      # π(a_t) > anchor(a_t)
     down = lr.detach() < 0
     masked = ((advantages > 0) & up & (D > d_high)) | ((advantages < 0) & down & (D > d_low))
-    w = rd.clamp(max=truncation) if math.isfinite(truncation) else rd
-    loss = torch.where(masked, torch.zeros_like(rd), -advantages * w * unit(logp))
-    weight = torch.where(masked, torch.zeros_like(w), w)
-    clipped = ~masked & (rd > truncation)
+    loss, weight, clipped = masked_truncated_loss(masked, rd, advantages, logp, truncation)
     return _finish(loss, valid, ratio=rd, weight=weight, masked=masked, clipped=clipped, divergence=D)
 
 
