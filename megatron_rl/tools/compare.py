@@ -211,8 +211,9 @@ def main(argv: list[str]) -> int:
         return reusable(run_dir, args.steps, as_dict(wanted))
 
     # Finished runs of other settings in this folder are another comparison's: never replaced unasked.
-    others = [f"{out / label / f'seed{seed}'} ({why})" for label, seed in jobs
-              for keep, why in [previous(label, seed)] if not keep and why != "not finished"]
+    found = {job: previous(*job) for job in jobs}
+    others = [f"{out / label / f'seed{seed}'} ({why})" for (label, seed), (keep, why) in found.items()
+              if not keep and why != "not finished"]
     if others and not args.replace:
         print(f"megatron-rl compare: {out} holds runs made with other settings; give this comparison its own "
               "folder (--out DIR), or run them again with --replace:\n  " + "\n  ".join(others), file=sys.stderr)
@@ -228,7 +229,7 @@ def main(argv: list[str]) -> int:
         def run(item) -> None:
             label, seed = item
             run_dir = out / label / f"seed{seed}"
-            keep, why = previous(label, seed)
+            keep, why = found[item]
             if keep:
                 print(f"[compare] {label} seed {seed}: done before with these settings, kept ({run_dir})", flush=True)
                 return
