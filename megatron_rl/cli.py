@@ -32,12 +32,13 @@ from megatron_rl.config.load import ConfigError, load_config, to_object
 
 
 def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command: str, rollout: dict) -> int:
+    import torch
     from omegaconf import OmegaConf
 
-    from megatron_rl.distributed.context import launch_world, layout_sizes
-    from megatron_rl.rollout.placement import layout_report
-
     from megatron_rl.data.prompts import load_examples
+    from megatron_rl.distributed.context import launch_world, layout_sizes
+    from megatron_rl.models.bridge import choose_spec
+    from megatron_rl.rollout.placement import layout_report
     from megatron_rl.trainer.preflight import preflight
 
     cfg = load_config(recipe, overrides)
@@ -74,6 +75,11 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     if unused:
         print(f"(not used by this run, not shown: {', '.join(unused)})")
     print(f"hardware: {job.hardware}")
+    if job.model.spec == "te" and not torch.cuda.is_available():  # planning on a machine without GPUs
+        print("layer spec: model.spec=te: not checked here (no CUDA device); the run refuses to start "
+              "where transformer_engine does not import")
+    else:
+        print(choose_spec(job.model.spec).line())
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if command == "train":
@@ -125,7 +131,10 @@ def _train_lm(recipe: str, overrides: list[str]) -> int:
     job = to_object(load_config(recipe, overrides))
     ctx = init_distributed(job.parallel)
     if ctx.rank == 0:
-        print(f"[megatron-rl] {job.name}: {ctx.describe()}", flush=True)
+        from megatron_rl.models.bridge import choose_spec
+
+        print(f"[megatron-rl] {job.name}: {ctx.describe()}\n[megatron-rl] {choose_spec(job.model.spec).line()}",
+              flush=True)
     history = lm_demo.run(job, ctx)
     if ctx.rank == 0:
         first, last = history[0], history[-1]

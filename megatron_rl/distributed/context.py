@@ -169,6 +169,41 @@ def check_gpu_python(job, environ=os.environ) -> None:
                        "container's python3); MRL_ALLOW_CPU=1 runs it on CPU anyway")
 
 
+# The oldest driver each CUDA major's runtime runs on (CUDA minor-version compatibility, Linux): torch's
+# CUDA 13.0 build (requirements/gpu-lock.txt) needs R580. docs/cluster.md, "The driver".
+MIN_DRIVER = {13: (580, 65, 6), 12: (525, 60, 13)}
+DRIVER_FILE = "/proc/driver/nvidia/version"
+
+
+def driver_version(path: Optional[str] = None) -> Optional[tuple[int, ...]]:
+    """The loaded NVIDIA kernel driver's version (e.g. (535, 129, 3)), None without one."""
+    try:
+        text = open(path or DRIVER_FILE).read()
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+
+
+def check_driver(job, environ=os.environ, path: Optional[str] = None) -> None:
+    """A CUDA build of torch on a node whose driver is older than its CUDA needs finds no GPU, and
+    `check_gpu_python` would blame the Python. Refuses naming both versions, unless CUDA works anyway
+    (the CUDA forward-compatibility package on LD_LIBRARY_PATH)."""
+    if job.hardware.lower().startswith("cpu") or environ.get("MRL_ALLOW_CPU") or not torch.version.cuda:
+        return
+    found = driver_version(path)
+    major = int(torch.version.cuda.split(".")[0])
+    need = MIN_DRIVER.get(major)
+    if found is None or need is None or found >= need or torch.cuda.is_available():
+        return
+    show = lambda v: ".".join(f"{x:02d}" if i else str(x) for i, x in enumerate(v))  # noqa: E731
+    raise ValueError(f"the NVIDIA driver on this node is {show(found)}; torch {torch.__version__} is a CUDA "
+                     f"{torch.version.cuda} build, which needs driver {show(need)} or newer (R{need[0]}), so it "
+                     "sees no GPU. Update the driver, or put the CUDA forward-compatibility libraries "
+                     f"(cuda-compat-{major}-{torch.version.cuda.split('.')[1]}, data-centre GPUs) on "
+                     "LD_LIBRARY_PATH (docs/cluster.md, \"The driver\")")
+
+
 def init_distributed(cfg: ParallelConfig, timeout_s: float = 1800) -> ParallelContext:
     """Start torch.distributed (if not started) and Megatron's parallel state; return the context.
 

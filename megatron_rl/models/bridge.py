@@ -6,13 +6,16 @@ in `megatron_overrides` (the one adapter from our config to Megatron's). The lay
 megatron-core's local torch modules with torch's fused attention and grouped expert GEMMs
 (`torch`, models/torch_spec.py; the default on CUDA without TE), or megatron-core's local torch
 modules as they are (`local`, the CPU default: unfused attention, one expert at a time). `torch`
-and `local` run with every TE/apex fusion off. Asking for `te` where Transformer Engine cannot run
-is an error, never a quiet switch to another spec.
+and `local` run with every TE/apex fusion off. The choice is never silent: rank 0 and the dry-run
+print it with its reason (`choose_spec(...).line()`); with `auto` a Transformer Engine that is
+installed but fails to import is a warning quoting the error, and asking for `te` where Transformer
+Engine cannot run is an error quoting it.
 `export_hf_weights` is a collective: every rank of the model-parallel group must iterate it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -68,27 +71,72 @@ def _te_import_error() -> Exception | None:
     return None
 
 
-def resolve_spec(name: str) -> str:
-    """`model.spec` -> "te", "torch" or "local" on this machine. auto: te on CUDA with Transformer
-    Engine importable, torch on CUDA without it, local without CUDA."""
+def _te_installed() -> str | None:
+    """The installed Transformer Engine's version (its distribution or its package), or None."""
+    import importlib.metadata
+    import importlib.util
+
+    for dist_name in ("transformer-engine", "transformer-engine-torch"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "(version unknown)" if importlib.util.find_spec("transformer_engine") is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecChoice:
+    """`model.spec` resolved on this machine, and why (`line()`: what rank 0 and the dry-run print).
+    `warning`: a Transformer Engine that is installed but does not import, which `auto` passed over."""
+
+    asked: str
+    spec: str
+    why: str
+    warning: str | None = None
+
+    def line(self) -> str:
+        text = f"layer spec: model.spec={self.asked} -> {self.spec}: {self.why}"
+        return text + (f"\nwarning: {self.warning}" if self.warning else "")
+
+
+def choose_spec(name: str) -> SpecChoice:
+    """`model.spec` -> the spec this machine runs, with the reason. auto: te on CUDA with Transformer
+    Engine importable, torch on CUDA without it (a TE that is installed but fails to import is a
+    warning quoting the error), local without CUDA. te where TE cannot run is an error quoting why."""
     if name not in SPECS:
         raise ValueError(f"model.spec={name!r}; valid: {', '.join(SPECS)}")
     cuda = torch.cuda.is_available()
-    if name == "auto":
-        if not cuda:
-            return "local"
-        return "te" if _te_import_error() is None else "torch"
+    if name in ("torch", "local"):
+        return SpecChoice(name, name, "asked for")
+    if name == "auto" and not cuda:
+        return SpecChoice(name, "local", "no CUDA device on this machine")
+    if name == "te" and not cuda:
+        raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, which needs "
+                         "CUDA; this machine has none (model.spec=local runs on CPU)")
+    version = _te_installed()
+    error = _te_import_error() if version is not None else None
+    if version is not None and error is None:
+        return SpecChoice(name, "te", f"transformer_engine {version}" if name == "auto" else
+                          f"asked for, transformer_engine {version}")
     if name == "te":
-        if not cuda:
-            raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, which needs "
-                             "CUDA; this machine has none (model.spec=local runs on CPU)")
-        if (e := _te_import_error()) is not None:
-            raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, but "
-                             f"transformer_engine.pytorch cannot be imported ({type(e).__name__}: {e}); "
-                             "install transformer-engine[pytorch] (the `gpu` extra) or set "
-                             "model.spec=torch (torch's fused attention and grouped expert GEMMs) or "
-                             "model.spec=local (megatron-core's torch modules, no fused kernels)") from None
-    return name
+        why = ("transformer_engine is not installed" if version is None else
+               f"transformer_engine {version} is installed but does not import ({type(error).__name__}: {error})")
+        raise ValueError(f"model.spec={name} selects Transformer Engine's layer spec, but {why}; "
+                         "install it (docs/cluster.md: the image's `te` target) or set "
+                         "model.spec=torch (torch's fused attention and grouped expert GEMMs, the "
+                         "measured GPU path) or model.spec=local (megatron-core's torch modules, no "
+                         "fused kernels)") from None
+    if version is None:
+        return SpecChoice(name, "torch", "transformer_engine is not installed")
+    return SpecChoice(name, "torch", f"transformer_engine {version} does not import",
+                      warning=f"transformer_engine {version} is installed but `import transformer_engine."
+                              f"pytorch` fails ({type(error).__name__}: {error}); running the torch spec. "
+                              "Fix the install, or set model.spec=torch to choose it.")
+
+
+def resolve_spec(name: str) -> str:
+    """`model.spec` -> "te", "torch" or "local" on this machine (`choose_spec` has the reason)."""
+    return choose_spec(name).spec
 
 
 def megatron_overrides(model_cfg: ModelConfig, ctx: ParallelContext) -> dict:

@@ -57,6 +57,7 @@ from megatron_rl.config.schema import JobConfig
 from megatron_rl.data.prompts import PromptStream, TokenizedPrompts, load_examples, tokenize
 from megatron_rl.distributed.context import ParallelContext, init_distributed
 from megatron_rl.distributed.wait import Interrupted
+from megatron_rl.models.bridge import choose_spec
 from megatron_rl.run.checkpoint import load_checkpoint
 from megatron_rl.run.metrics import MetricsLogger
 from megatron_rl.run.operations import REQUEUE_EXIT, REQUEUE_MARKER, Operations
@@ -386,7 +387,8 @@ def train(cfg: JobConfig) -> list[dict]:
         cfg.model.hf_path = str(ensure_base_model(cfg))  # built once, then cached (file-locked)
     ctx = init_distributed(cfg.parallel, timeout_s=cfg.trainer.collective_timeout)
     if ctx.rank == 0:
-        print(f"[megatron-rl] {cfg.name}: {ctx.describe()}", flush=True)
+        print(f"[megatron-rl] {cfg.name}: {ctx.describe()}\n[megatron-rl] {choose_spec(cfg.model.spec).line()}",
+              flush=True)
     trainer = Trainer(cfg, ctx, ready.resume)
     history = trainer.fit()
     if trainer.requeue:  # checkpointed before the time limit: the sbatch requeues

@@ -2,7 +2,8 @@
 call the same `preflight`, so the trainer's constructor only builds.
 
 In the order a user meets the failures:
-- the Python and its GPU (`check_gpu_python`: a GPU recipe on a Python without CUDA);
+- the driver, the Python and its GPU (`check_driver`: a driver older than torch's CUDA needs;
+  `check_gpu_python`: a GPU recipe on a Python without CUDA);
 - the layout (`check_layout`: heads, KV heads, MLP vs TP, layers vs PP/VPP, experts vs EP);
 - the configuration (`validate`: algorithm arguments, registries, rollout and evaluation settings,
   the placement of the servers), which needs no process group;
@@ -260,12 +261,16 @@ def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[in
     launcher's variables, else parallel.world_size, else the smallest the layout fits). Raises
     ValueError (ConfigError, ResumeMismatch) naming what to change: every problem found, at once."""
     from megatron_rl.data.prompts import check_data_files
-    from megatron_rl.distributed.context import check_gpu_python, launch_world, layout_sizes
+    from megatron_rl.distributed.context import check_driver, check_gpu_python, launch_world, layout_sizes
     from megatron_rl.models.hub import resolve_model_paths
     from megatron_rl.models.layout import check_layout
 
     p = _Problems()
-    p.check(check_gpu_python, cfg)  # in a Slurm job: a GPU recipe on a Python without CUDA, named
+    # A GPU recipe on a node whose driver is older than torch's CUDA (both versions named), else, in a
+    # Slurm job, on a Python without CUDA
+    driver_ok, _ = p.check(check_driver, cfg)
+    if driver_ok:
+        p.check(check_gpu_python, cfg)
     # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
     model_found, _ = p.check(resolve_model_paths, cfg)
     if model_found:  # what Megatron-Core would refuse after the start, said now

@@ -58,24 +58,43 @@ def test_pins_agree_with_pyproject_and_lock():
 
 def test_layer_spec_is_chosen_never_guessed(monkeypatch):
     """model.spec: auto is local on CPU, te on CUDA with Transformer Engine, torch on CUDA without;
-    te without CUDA/Transformer Engine is an error naming the way out, never a quiet switch."""
+    te without CUDA/Transformer Engine is an error naming the way out, never a quiet switch. The
+    choice is printed with its reason; a TE that is installed but does not import is, with auto, a
+    warning quoting the import error and, with te, an error quoting it."""
     from megatron_rl.models import bridge
-    from megatron_rl.models.bridge import resolve_spec
+    from megatron_rl.models.bridge import choose_spec, resolve_spec
 
     assert resolve_spec("auto") == "local"
+    assert choose_spec("auto").line() == "layer spec: model.spec=auto -> local: no CUDA device on this machine"
     assert resolve_spec("local") == "local"
-    assert resolve_spec("torch") == "torch"
+    assert choose_spec("torch").line() == "layer spec: model.spec=torch -> torch: asked for"
     with pytest.raises(ValueError, match="model.spec=local"):
         resolve_spec("te")
     with pytest.raises(ValueError, match="valid: auto, te, torch, local"):
         resolve_spec("tee")
-    # A CUDA machine, with and without Transformer Engine.
+    # A CUDA machine: TE absent, TE importable, TE installed but broken.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    imported = []
+    monkeypatch.setattr(bridge, "_te_import_error", lambda: imported.append(1))  # never called without TE
+    monkeypatch.setattr(bridge, "_te_installed", lambda: None)
+    assert choose_spec("auto").line() == "layer spec: model.spec=auto -> torch: transformer_engine is not installed"
+    assert choose_spec("auto").warning is None and not imported
+    with pytest.raises(ValueError, match="transformer_engine is not installed; install it .* model.spec=torch"):
+        resolve_spec("te")
+    monkeypatch.setattr(bridge, "_te_installed", lambda: "2.11.0")
     monkeypatch.setattr(bridge, "_te_import_error", lambda: None)
-    assert resolve_spec("auto") == "te" and resolve_spec("te") == "te"
-    monkeypatch.setattr(bridge, "_te_import_error", lambda: ImportError("no transformer_engine"))
-    assert resolve_spec("auto") == "torch"
-    with pytest.raises(ValueError, match="model.spec=torch"):
+    assert choose_spec("auto").line() == "layer spec: model.spec=auto -> te: transformer_engine 2.11.0"
+    assert resolve_spec("te") == "te"
+    broken = OSError("libcudnn_graph.so.9: cannot open shared object file")
+    monkeypatch.setattr(bridge, "_te_import_error", lambda: broken)
+    choice = choose_spec("auto")
+    assert choice.spec == "torch" and choice.line().splitlines() == [
+        "layer spec: model.spec=auto -> torch: transformer_engine 2.11.0 does not import",
+        "warning: transformer_engine 2.11.0 is installed but `import transformer_engine.pytorch` fails "
+        "(OSError: libcudnn_graph.so.9: cannot open shared object file); running the torch spec. Fix the "
+        "install, or set model.spec=torch to choose it."]
+    with pytest.raises(ValueError, match=r"transformer_engine 2.11.0 is installed but does not import \(OSError: "
+                                         r"libcudnn_graph.so.9: cannot open shared object file\)"):
         resolve_spec("te")
 
 
@@ -193,6 +212,7 @@ def test_dry_run_cli_prints_layout(capsys):
     assert main(["dry-run", "tiny_lm_cpu", "parallel.tp=2", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert "tp=2 pp=1 vpp=None ep=1 etp=1 dp=2 sequence_parallel=True" in out
+    assert "layer spec: model.spec=auto -> local: no CUDA device on this machine" in out
     assert main(["dry-run", "tiny_lm_cpu", "parallel.tq=2"]) == 2
     assert "valid keys of parallel" in capsys.readouterr().err
 
@@ -274,3 +294,33 @@ def test_tiny_checkpoint_loads_in_transformers(tmp_path):
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     make_tiny_checkpoint(tmp_path / "m", moe=True, num_layers=1)
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_dry_run_refuses_a_driver_older_than_torchs_cuda(tmp_path, monkeypatch, capsys):
+    """A GPU recipe on a node whose driver (R535) is older than torch's CUDA 13 needs: the dry-run
+    names both versions and the way out, instead of 'no GPU visible' blaming the Python. With CUDA
+    working anyway (the forward-compatibility package), or R580, it passes."""
+    from megatron_rl.cli import main
+    from megatron_rl.distributed import context
+
+    old = tmp_path / "version"
+    old.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.129.03  Thu Oct 19 18:56:32 UTC 2023\n"
+                   "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n")
+    assert context.driver_version(str(old)) == (535, 129, 3)
+    monkeypatch.setattr(context, "DRIVER_FILE", str(old))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("MRL_ALLOW_CPU", raising=False)
+    argv = ["dry-run", "tiny_cpu", "hardware=8xH100", f"trainer.out_dir={tmp_path / 'run'}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert ("the NVIDIA driver on this node is 535.129.03; torch " + torch.__version__ + " is a CUDA 13.0 build, "
+            "which needs driver 580.65.06 or newer (R580)") in err, err
+    assert "cuda-compat-13-0" in err and "The driver" in err, err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the compat libraries make CUDA work
+    context.check_driver(to_object(load_config("tiny_cpu", ["hardware=8xH100"])))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    new = tmp_path / "version580"
+    new.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build\n")
+    assert context.driver_version(str(new)) == (580, 95, 5)
+    context.check_driver(to_object(load_config("tiny_cpu", ["hardware=8xH100"])), path=str(new))
+    context.check_driver(to_object(load_config("tiny_cpu")), path=str(old))  # a CPU recipe: no driver needed
