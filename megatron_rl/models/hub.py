@@ -82,11 +82,46 @@ def resolve(value: str, key: str = "model.hf_path") -> str:
     return str(local)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint_files(path: str, key: str, tokenizer: bool = True) -> None:
+    """A checkpoint folder holds weights (every shard its index names: a download cut short is
+    found here, not when the model loads) and, where the run tokenizes with it, a tokenizer."""
+    folder = Path(path)
+    indexes = sorted(folder.glob("*.index.json"))
+    weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("pytorch_model*.bin"))
+    if indexes:
+        import json
+
+        try:
+            shards = sorted(set(json.loads(indexes[0].read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as e:
+            raise FileNotFoundError(f"{key}={path}: {indexes[0].name} is not a weight index ({type(e).__name__}: "
+                                    f"{e}); download the checkpoint again") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{key}={path}: {len(missing)} of the {len(shards)} weight files "
+                                    f"{indexes[0].name} names are missing ({', '.join(missing[:3])}"
+                                    f"{', ...' if len(missing) > 3 else ''}): an unfinished download? Run "
+                                    "`hf download ... --local-dir` again (it resumes)")
+    elif not weights:
+        raise FileNotFoundError(f"{key}={path}: config.json but no weights (*.safetensors, "
+                                "pytorch_model*.bin): the folder is not a whole checkpoint")
+    if tokenizer and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{key}={path}: no tokenizer ({', '.join(TOKENIZER_FILES)}): the folder is "
+                                "not a whole checkpoint")
+
+
 def resolve_model_paths(job) -> None:
-    """Resolve every checkpoint path the job reads, in place (dry-run and `train`, before building)."""
+    """Resolve every checkpoint path the job reads, in place (dry-run and `train`, before building),
+    and check that each holds its weights (and, for the policy, its tokenizer)."""
     if job.model.hf_path:
         job.model.hf_path = resolve(job.model.hf_path)
+        check_checkpoint_files(job.model.hf_path, "model.hf_path")
     if job.reward_model.enabled and job.reward_model.hf_path:
         job.reward_model.hf_path = resolve(job.reward_model.hf_path, "reward_model.hf_path")
+        check_checkpoint_files(job.reward_model.hf_path, "reward_model.hf_path", tokenizer=False)
     if job.algorithm.advantage == "gae" and job.critic.hf_path:
         job.critic.hf_path = resolve(job.critic.hf_path, "critic.hf_path")
+        check_checkpoint_files(job.critic.hf_path, "critic.hf_path", tokenizer=False)

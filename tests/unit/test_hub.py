@@ -67,3 +67,35 @@ def test_a_recipes_missing_model_names_mrl_models(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("MRL_MODELS", str(tmp_path / "ckpts"))
     with pytest.raises(FileNotFoundError, match=r"\$MRL_MODELS \(set: .*ckpts"):
         resolve(str(tmp_path / "ckpts" / "Llama-3"))
+
+
+def test_a_checkpoint_folder_needs_its_weights_and_tokenizer(tmp_path, capsys):
+    """A folder with config.json alone, a sharded download with a shard missing, or no tokenizer is
+    refused by the dry-run, naming what is missing; the whole checkpoint passes."""
+    import json
+    import shutil
+
+    whole = make_tiny_checkpoint(tmp_path / "whole", vocab_size=128)
+    resolve_model_paths(to_object(load_config("tiny_cpu", [f"model.hf_path={whole}"])))
+
+    def refused(folder, *message):
+        assert cli.main(["dry-run", "tiny_cpu", f"model.hf_path={folder}",
+                         f"trainer.out_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        assert all(m in err for m in message), err
+
+    only_config = tmp_path / "only_config"
+    only_config.mkdir()
+    shutil.copy(whole / "config.json", only_config)
+    refused(only_config, f"model.hf_path={only_config}: config.json but no weights")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(whole, sharded)
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    refused(sharded, "1 of the 2 weight files model.safetensors.index.json names are missing "
+                     "(model-00002-of-00002.safetensors)", "hf download")
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(whole, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    refused(no_tokenizer, "no tokenizer (tokenizer.json, tokenizer.model, vocab.json)")

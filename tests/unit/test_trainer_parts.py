@@ -233,6 +233,7 @@ def paper_inputs(tmp_path_factory):
                         ("Qwen3-4B-Instruct-2507", qwen3_4b), ("Skywork-Reward-V2-Qwen3-4B", qwen3_4b)):
         (root / "models" / name).mkdir(parents=True)
         (root / "models" / name / "config.json").write_text(json.dumps(shape))
+        _weights_and_tokenizer(root / "models" / name)
     # Hub ids (model.hf_path=Qwen/...): a hub cache laid out as huggingface_hub lays it out.
     commit = "a" * 40
     for repo, shape in (("Qwen/Qwen3-1.7B-Base", {"num_hidden_layers": 28, "num_attention_heads": 16,
@@ -240,9 +241,18 @@ def paper_inputs(tmp_path_factory):
         cached = root / "hub" / f"models--{repo.replace('/', '--')}"
         (cached / "snapshots" / commit).mkdir(parents=True)
         (cached / "snapshots" / commit / "config.json").write_text(json.dumps(shape))
+        _weights_and_tokenizer(cached / "snapshots" / commit)
         (cached / "refs").mkdir()
         (cached / "refs" / "main").write_text(commit)
     return root
+
+
+def _weights_and_tokenizer(folder):
+    """What the dry-run checks a checkpoint folder holds besides config.json (models/hub.py):
+    the shards its index names (empty stand-ins) and a tokenizer."""
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
+    (folder / "model-00001-of-00001.safetensors").write_bytes(b"")
+    (folder / "tokenizer.json").write_text("{}")
 
 
 @pytest.fixture
