@@ -192,8 +192,9 @@ def test_usr1_checkpoints_requeues_resumes_launcher(slurm_cluster, tmp_path):
     assert "requeueing job" in log and "job %s (restart 1)" % jobid in log, log
     assert sorted(p.name for p in (run / "logs").iterdir()) == [f"{jobid}.0", f"{jobid}.1"]
     lines = calls.read_text().splitlines()
-    assert lines.count("python3 megatron_rl.cli dry-run CUDA_DEVICE_MAX_CONNECTIONS=unset") == 2, lines
-    assert lines.count("python3 megatron_rl.cli train-lm CUDA_DEVICE_MAX_CONNECTIONS=1") == 4, lines
+    cache = f"TRITON_CACHE_DIR={run / 'cache' / 'triton'}"  # the run's own cache folder, never $HOME's
+    assert lines.count(f"python3 megatron_rl.cli dry-run CUDA_DEVICE_MAX_CONNECTIONS=unset NCCL_NVLS_ENABLE=0 {cache}") == 2, lines
+    assert lines.count(f"python3 megatron_rl.cli train-lm CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 {cache}") == 4, lines
     assert len(lines) == 6, lines
 
 
@@ -204,7 +205,8 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     run = tmp_path / "run"
     calls = tmp_path / "container.log"
     # The servers in a container of their own (ROLLOUT_CONTAINER_EXEC: ROLLOUT_PYTHON defaults to its
-    # python3), the learners not; the servers do not get the learners' CUDA_DEVICE_MAX_CONNECTIONS.
+    # python3), the learners not; the servers get none of the learners' variables
+    # (CUDA_DEVICE_MAX_CONNECTIONS, NCCL_NVLS_ENABLE, ...) but the run's caches.
     jobid = submit(tmp_path, ["tiny_lm_cpu", "train.steps=2"],
                    {"MRL_COMMAND": "train-lm", "PYTHON": str(HERE / "contract_python.sh"),
                     "ROLLOUT_CONTAINER_EXEC": str(HERE / "fake_container.sh"), "CONTAINER_LOG": str(calls),
@@ -234,8 +236,9 @@ def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
     assert list(replies) == [url] and len(replies[url]) == 4, replies
     assert log.index("stopping the SGLang servers") < log.index("done; metrics in"), log
     lines = calls.read_text().splitlines()  # only the server (and its supervisor) went through the rollout container
-    assert lines == ["python3 megatron_rl.rollout.supervise --restarts CUDA_DEVICE_MAX_CONNECTIONS=unset",
-                     "python3 megatron_rl.rollout.launch_server --slurm-slot CUDA_DEVICE_MAX_CONNECTIONS=unset"], lines
+    env = f"CUDA_DEVICE_MAX_CONNECTIONS=unset NCCL_NVLS_ENABLE=unset TRITON_CACHE_DIR={run / 'cache' / 'triton'}"
+    assert lines == [f"python3 megatron_rl.rollout.supervise --restarts {env}",
+                     f"python3 megatron_rl.rollout.launch_server --slurm-slot {env}"], lines
 
 
 def served_requests(log: Path) -> list[dict]:
