@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast bench clean gpu-prepare gpu-dry-run gpu-env
+.PHONY: setup demo test test-fast bench clean gpu-prepare gpu-dry-run gpu-env gpu-env-check
 
 setup: $(STAMP)
 
@@ -43,8 +43,9 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --
 test: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
 
+# The unit tier on the same two workers (pure tests: no process of their own to share the cores with).
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 # The GPU smoke suite (docs/gpu.md): prepare its wheels and saved rollouts here, dry-run it on CPU;
 # on the GPU machine: tests/gpu/suite.sh run. `make test` never collects tests/gpu (pyproject addopts).
@@ -55,30 +56,25 @@ gpu-dry-run: $(STAMP)
 	PY=$(abspath $(PY)) bash tests/gpu/suite.sh dry-run
 
 # The GPU environment (docs/cluster.md) as a plain venv on a cluster node with a CUDA 13 toolkit (nvcc
-# on PATH, e.g. after `module load cuda/13.0`): exactly requirements/gpu-lock.txt, hash-checked, with
-# the same pip commands as docker/Dockerfile.gpu (keep the two alike). In three steps because pip builds
-# an sdist before it installs anything: setuptools + wheel first, then every other pin (the sdist
-# antlr4-python3-runtime built with those), then Transformer Engine's torch extension, built from its
-# sdist against the torch just installed (--no-build-isolation, as TE requires; NVTE_PYTORCH_FORCE_BUILD
-# stops its setup.py fetching a prebuilt wheel from GitHub). GPU_ARCHS: 90 = H100/H200, "90;100" adds B200.
+# on PATH, e.g. after `module load cuda/13.0`): exactly requirements/gpu-lock.txt, hash-checked, by
+# docker/install_lock.sh, the install script of docker/Dockerfile.gpu: every pin, Transformer Engine's
+# torch extension built from its sdist against the torch just installed (with g++ and the toolkit's
+# CUDA and cuDNN headers), the project; then the image's verify step. MAX_JOBS=N: parallel compiles.
 GPU_VENV ?= .venv-gpu
 GPU_PYTHON ?= python3.12
-GPU_ARCHS ?= 90
-GPU_LOCK := requirements/gpu-lock.txt
-GPU_PICK = awk -v pick='$(1)' -v keep=$(2) '/^[^ \#]/ { hit = ($$0 ~ pick) } hit == keep' $(GPU_LOCK)
 gpu-env:
 	@command -v nvcc >/dev/null && nvcc --version | grep -q 'release 13\.' || \
 		{ echo "gpu-env: needs a CUDA 13 toolkit's nvcc on PATH (found: $$(command -v nvcc || echo none))"; exit 1; }
 	$(GPU_PYTHON) -m venv $(GPU_VENV)
-	$(call GPU_PICK,^(setuptools|wheel)==,1) > $(GPU_VENV)/lock-build.txt
-	$(call GPU_PICK,^(setuptools|wheel|transformer-engine-torch)==,0) > $(GPU_VENV)/lock-main.txt
-	$(call GPU_PICK,^transformer-engine-torch==,1) > $(GPU_VENV)/lock-te.txt
-	$(GPU_VENV)/bin/pip install --require-hashes --no-deps -r $(GPU_VENV)/lock-build.txt
-	$(GPU_VENV)/bin/pip install --require-hashes --no-deps --no-build-isolation -r $(GPU_VENV)/lock-main.txt
-	NVTE_FRAMEWORK=pytorch NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_CUDA_ARCHS='$(GPU_ARCHS)' MAX_JOBS=$${MAX_JOBS:-8} \
-		$(GPU_VENV)/bin/pip install --require-hashes --no-deps --no-build-isolation -r $(GPU_VENV)/lock-te.txt
-	$(GPU_VENV)/bin/pip install --no-deps --no-build-isolation -e .
-	$(GPU_VENV)/bin/python -c "import torch, transformer_engine.pytorch, megatron.core, sglang; print('gpu-env: torch', torch.__version__, 'CUDA', torch.version.cuda)"
+	docker/install_lock.sh $(GPU_VENV) base te project
+	$(GPU_VENV)/bin/python docker/verify_env.py
+
+# The lock installed for real on this x86_64 host, no GPU needed (.ci/gpu_env_check.sh): what the
+# default image installs (no Transformer Engine), into a fresh venv GPU_CHECK_VENV; verify_env.py; a
+# tiny Megatron model trained 3 steps on CPU. ~11 GB of disk; docs/cluster.md has a run's figures.
+GPU_CHECK_VENV ?= /tmp/megatron-rl-gpu-check
+gpu-env-check:
+	GPU_PYTHON='$(GPU_PYTHON)' GPU_CHECK_VENV='$(GPU_CHECK_VENV)' .ci/gpu_env_check.sh
 
 clean:
 	rm -rf $(VENV)

@@ -11,7 +11,8 @@ packages' metadata from .ci/check_gpu_lock.uv.toml) and downloads no wheel: abou
 deterministic: `--exclude-newer` (the date in the lock's header) hides every file PyPI received
 after the lock was made, so a new upstream release is not drift, while a changed gpu.in, a lock
 edited by hand or a conflict is. The transformer-engine-torch entry of the uv.toml is compared with
-its sdist's PKG-INFO (one 0.5 MB download).
+its sdist's PKG-INFO and setup.py (one 0.25-0.5 MB download): the core it names is the one for the CUDA
+major of the lock's torch.
 
 uv 0.13.9 comes from $MRL_UV (a uv binary of that version) or is installed once with this Python's
 pip into ~/.cache/megatron-rl/uv-0.13.9. Needs https://pypi.org; without it this fails, saying so.
@@ -29,7 +30,6 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -58,8 +58,9 @@ def header(exclude_newer: str) -> str:
         "# `python3 .ci/check_gpu_lock.py --write` runs it; without --write it re-resolves and fails on any",
         "# difference from this file (CI: tests/e2e/test_gpu_lock.py). transformer-engine-torch is an sdist",
         f"# whose metadata comes from {UV_CONFIG} (its own is computed at build time).",
-        "# Install (docker/Dockerfile.gpu, `make gpu-env`, docs/cluster.md): pip install --require-hashes --no-deps,",
-        "# transformer-engine-torch last, built with --no-build-isolation against the torch installed here.",
+        "# Install: docker/install_lock.sh (docker/Dockerfile.gpu, `make gpu-env`, `make gpu-env-check`; docs/cluster.md),",
+        "# pip install --require-hashes --no-deps; Transformer Engine's three pins only in its `te` part (the image's",
+        "# `te` target), transformer-engine-torch built there with --no-build-isolation against the torch installed.",
     ]) + "\n"
 
 
@@ -134,16 +135,28 @@ def differences(lock: str, resolved: str) -> list[str]:
     return out
 
 
+TE_CORE = re.compile(r"^transformer_engine_cu\d+==")
+TE_CORE_LINE = 'te_core = f"transformer_engine_cu{cuda_major_version}=={__version__}"'
+
+
 def check_static_metadata(lock: str) -> None:
-    """The uv.toml's transformer-engine-torch entry must be its sdist's PKG-INFO Requires-Dist."""
+    """The uv.toml's transformer-engine-torch entry must be what its sdist's setup.py gives against the
+    lock's torch: the PKG-INFO Requires-Dist with the core named for torch's CUDA major (the PKG-INFO
+    names the one of the torch NVIDIA made the sdist with: cu12 for 2.11.0, cu13 for 2.20.2)."""
     config = (REPO / UV_CONFIG).read_text()
     block = config.split('name = "transformer-engine-torch"')[1].split("[[")[0]
     version = re.search(r'version = "([^"]+)"', block).group(1)
     declared = sorted(re.findall(r'^\s+"([^"]+)",', block, re.M))
-    locked = entries(lock).get("transformer-engine-torch", (None,))[0]
+    pins = entries(lock)
+    locked = pins.get("transformer-engine-torch", (None,))[0]
     if locked != version:
         fail(f"the lock has transformer-engine-torch {locked}, {UV_CONFIG} describes {version}: "
              "add that version's metadata (its sdist's PKG-INFO) to the uv.toml")
+    # torch's CUDA major: PyPI's Linux torch requires the cuda-toolkit metapackage of its CUDA release.
+    if "cuda-toolkit" not in pins:
+        fail("the lock has no cuda-toolkit pin (torch's CUDA release), so the CUDA major "
+             "transformer-engine-torch's setup.py would build for is unknown")
+    cuda_major = pins["cuda-toolkit"][0].split(".")[0]
     req = urllib.request.Request(f"{INDEX}/transformer-engine-torch/",
                                  headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
@@ -154,11 +167,15 @@ def check_static_metadata(lock: str) -> None:
         fail(f"could not fetch the transformer-engine-torch {version} sdist from PyPI: {e!r}")
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         pkg_info = tar.extractfile(f"transformer_engine_torch-{version}/PKG-INFO").read().decode()
-    actual = sorted(line.split(":", 1)[1].strip() for line in pkg_info.splitlines()
-                    if line.startswith("Requires-Dist:"))
+        setup_py = tar.extractfile(f"transformer_engine_torch-{version}/setup.py").read().decode()
+    if TE_CORE_LINE not in setup_py:
+        fail(f"transformer-engine-torch {version}'s setup.py no longer names its core as `{TE_CORE_LINE}`: "
+             f"read how it does now and update {UV_CONFIG} and this check")
+    actual = sorted(TE_CORE.sub(f"transformer_engine_cu{cuda_major}==", line.split(":", 1)[1].strip())
+                    for line in pkg_info.splitlines() if line.startswith("Requires-Dist:"))
     if actual != declared:
-        fail(f"{UV_CONFIG}: transformer-engine-torch {version} declares {declared}, "
-             f"its sdist's PKG-INFO says {actual}")
+        fail(f"{UV_CONFIG}: transformer-engine-torch {version} declares {declared}; built against the "
+             f"lock's torch (CUDA {cuda_major}) its sdist gives {actual}")
 
 
 def main() -> None:

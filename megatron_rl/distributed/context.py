@@ -200,8 +200,8 @@ def check_driver(job, environ=os.environ, path: Optional[str] = None) -> None:
     raise ValueError(f"the NVIDIA driver on this node is {show(found)}; torch {torch.__version__} is a CUDA "
                      f"{torch.version.cuda} build, which needs driver {show(need)} or newer (R{need[0]}), so it "
                      "sees no GPU. Update the driver, or put the CUDA forward-compatibility libraries "
-                     f"(cuda-compat-{major}-{torch.version.cuda.split('.')[1]}, data-centre GPUs) on "
-                     "LD_LIBRARY_PATH (docs/cluster.md, \"The driver\")")
+                     f"(cuda-compat-{major}-{torch.version.cuda.split('.')[1]}, data-centre GPUs; in the "
+                     "image: /usr/local/cuda/compat) first on LD_LIBRARY_PATH (docs/cluster.md, \"The driver\")")
 
 
 def init_distributed(cfg: ParallelConfig, timeout_s: float = 1800) -> ParallelContext:
