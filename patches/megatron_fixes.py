@@ -18,6 +18,18 @@
   only kind this project makes) puts and gets in the calling process, so inside one the queue is a
   plain in-process queue (`synchronous_save()`, also used by run/checkpoint.py when it runs a
   save's write in the calling process). Asynchronous saves keep upstream's Manager queue.
+- Multi-tensor ops without Transformer Engine or apex. The optimizer's grad norm, gradient clipping
+  and master-to-model parameter copy go through `multi_tensor_applier` with amp_C's (or TE's) fused
+  kernels; without either, megatron-core falls back to `utils.local_multi_tensor_l2_norm` and
+  `local_multi_tensor_scale`. The norm takes one `torch.norm` per tensor and then builds a host
+  tensor from the list of device scalars (`torch.tensor(l2)`): one host wait per parameter, 1,055 per
+  step at `moe_30b_layer` (docs/gpu.md). The scale allocates `src * scale` per tensor, then copies it
+  (also for the copy with scale 1.0, fp32 master weights to bf16 parameters): three passes over
+  every parameter where one does. On an H200 these ran as 1,055 norm kernels, 1,128 multiplications
+  and 1,677 casts per step. `foreach_l2_norm` and `foreach_scale` keep amp_C's contract on torch's
+  multi-tensor (`_foreach_*`) kernels: a handful of launches per step, no host wait, one pass per
+  tensor; they replace the fallbacks only where megatron-core chose them
+  (`restore_local_multi_tensor_ops` puts them back, for the GPU suite's before/after).
 """
 
 from __future__ import annotations
@@ -26,6 +38,8 @@ import contextlib
 import queue
 import threading
 from typing import Iterator
+
+import torch
 
 from patches._guard import pinned, require_version
 
@@ -72,9 +86,65 @@ def _write_results_queue(upstream):
     return get
 
 
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract: (the L2 norm of every tensor of every list as a [1] fp32
+    tensor, the per-tensor norms or None), computed on the tensors' device with no host wait."""
+    tensors = [t for ts in tensor_lists for t in ts]
+    if not tensors:
+        device = noop_flag.device if torch.is_tensor(noop_flag) else None
+        return torch.zeros(1, dtype=torch.float32, device=device), None
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return torch.linalg.vector_norm(norms).reshape(1), (norms if per_tensor else None)
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract (dst = src x scale, cast to dst's dtype) in one pass:
+    a copy when scale is 1, an in-place multiply when the lists are the same tensors."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    if not torch.is_tensor(scale) and scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    elif all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def _multi_tensor_sites():
+    """(module, name, megatron-core's local fallback) for every module-level binding of a fallback."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    return ((clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm),
+            (clip_grads, "multi_tensor_scale_impl", utils.local_multi_tensor_scale),
+            (optimizer, "multi_tensor_scale_impl", utils.local_multi_tensor_scale))
+
+
+def use_foreach_multi_tensor_ops() -> int:
+    """Replace megatron-core's local multi-tensor fallbacks where they are in use; returns how many
+    bindings now use the foreach versions."""
+    ours = {"l2_norm_impl": foreach_l2_norm, "multi_tensor_scale_impl": foreach_scale}
+    n = 0
+    for module, name, local in _multi_tensor_sites():
+        if getattr(module, name) is local:
+            setattr(module, name, ours[name])
+        n += getattr(module, name) is ours[name]
+    return n
+
+
+def restore_local_multi_tensor_ops() -> None:
+    """megatron-core's own fallbacks back (what it runs without TE, apex or this patch)."""
+    ours = (foreach_l2_norm, foreach_scale)
+    for module, name, local in _multi_tensor_sites():
+        if getattr(module, name) in ours:
+            setattr(module, name, local)
+
+
 def apply(version: str | None = None) -> None:
     require_version("megatron-core", SUPPORTED, "megatron_fixes", version)
     define_missing_te_names()
+    use_foreach_multi_tensor_ops()
     from megatron.core.dist_checkpointing.strategies import base, filesystem_async
 
     if not getattr(base.AsyncSaveShardedStrategy.save, "_megatron_rl_fixed", False):

@@ -55,6 +55,31 @@ def _finalize_without_rescale(model, num_tokens=None, pg_collection=None, force_
                                 force_all_reduce=force_all_reduce)
 
 
+def fused_adam(optimizer, device_type: str = "cuda") -> int:
+    """Switch torch's Adam under megatron-core's optimizer wrappers to its fused kernel for every
+    parameter group whose parameters all lie on `device_type`; returns how many groups switched.
+
+    Without Transformer Engine or apex, megatron-core steps `torch.optim.AdamW` with torch's
+    default there, the foreach implementation: three multi-tensor passes per step, each reading
+    and writing the fp32 master weights or moments. The fused kernel does the update in one pass
+    (the same update rule: decoupled weight decay, bias correction). TE's and apex's FusedAdam, what
+    megatron-core uses when they are installed, are such fused kernels too. The flag is read by
+    every `step()`; a checkpoint's param groups carry it (torch keeps a fused group's step count on
+    the device)."""
+    n = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam):  # AdamW is an Adam in torch >= 2.6
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if (params and all(p.device.type == device_type and p.is_floating_point() for p in params)
+                    and not group.get("differentiable") and not group.get("capturable")):
+                group["fused"], group["foreach"] = True, False
+                n += 1
+    return n
+
+
 def to_device(mb: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """A host micro-batch on `device`: on CUDA through pinned memory with non-blocking copies (a
     copy from pageable memory first waits for everything queued on the stream)."""
@@ -164,6 +189,7 @@ class Learner:
             self.model,
         )
         self.config.grad_scale_func = self.optimizer.scale_loss
+        self.fused_adam_groups = fused_adam(self.optimizer) if self.ctx.device.type == "cuda" else 0
         self._chunk_index = {id(m): i for i, m in enumerate(self.model)}
         self.router_replay = None
         if self.config.num_moe_experts:

@@ -37,7 +37,7 @@ def make_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_opt=False, save_to=None,
-                  spec="local", steps=1):
+                  spec="local", steps=1, fused_adam_on_cpu=False):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -54,6 +54,11 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_op
     cfg.learner.micro_batch_size = 2
     ctx = init_distributed(cfg.parallel)
     learner = Learner(cfg, ctx, run_dir="/nonexistent")
+    fused_groups = 0
+    if fused_adam_on_cpu:  # what the learner does on CUDA (torch also has the fused kernel on CPU)
+        from megatron_rl.learner.learner import fused_adam
+
+        fused_groups = fused_adam(learner.optimizer, "cpu")
     batch = make_batch()
 
     def collect_logits(logits_BSV, mb, tp_group, vocab_size):
@@ -84,7 +89,7 @@ def layout_worker(rank, world_size, hf_path, parallel, recompute="none", dist_op
     return dict(logits=logits, metrics=metrics, before=exported_before, after=exported_after,
                 layout=ctx.describe(),
                 modules={type(m).__name__ for c in learner.model for m in c.modules()},
-                overlap=[m.ddp_config.overlap_grad_reduce for m in learner.model])
+                overlap=[m.ddp_config.overlap_grad_reduce for m in learner.model], fused_groups=fused_groups)
 
 
 def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
@@ -183,6 +188,7 @@ def dense(tmp_path_factory):
     # only from the second step on (the first records which grads each bucket waits for).
     runs["dp2_two_steps"] = (2, dict(parallel={}, steps=2))
     runs["dp2_dist_opt_two_steps"] = (2, dict(parallel={}, dist_opt=True, steps=2))
+    runs["dp2_fused_adam_two_steps"] = (2, dict(parallel={}, steps=2, fused_adam_on_cpu=True))
     for name, local in DENSE_TORCH.items():
         runs[name] = (2, dict(parallel=DENSE_LAYOUTS[local][1], spec="torch"))
     return path, hf_reference(path, tmp_path_factory.mktemp("dense_after")), _run_layouts(path, runs)
@@ -199,6 +205,7 @@ def moe(tmp_path_factory):
     for name, local in MOE_TORCH.items():
         runs[name] = (2, dict(parallel=MOE_LAYOUTS[local][1], spec="torch"))
     runs["ep2_two_steps"] = (2, dict(parallel={"ep": 2}, steps=2))
+    runs["ep2_fused_adam_two_steps"] = (2, dict(parallel={"ep": 2}, steps=2, fused_adam_on_cpu=True))
     return path, hf_reference(path, tmp_path_factory.mktemp("moe_after")), _run_layouts(path, runs), saved
 
 
@@ -223,14 +230,19 @@ def test_moe_layouts_match_hf(moe, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp2_two_steps", "dp2_dist_opt_two_steps", "ep2_two_steps"])
+@pytest.mark.parametrize("name", ["dp2_two_steps", "dp2_dist_opt_two_steps", "ep2_two_steps",
+                                  "dp2_fused_adam_two_steps", "ep2_fused_adam_two_steps"])
 def test_overlapped_grad_reduce_second_step_matches_hf(dense, moe, name):
     """overlap_grad_reduce: the second step's reduce runs from the backward hooks, bucket by
     bucket (DP2: dense buckets all-reduced or reduce-scattered; EP2: dense DP2 beside the
-    experts' own buckets) and equals HF's second step."""
+    experts' own buckets) and equals HF's second step. `*_fused_adam_*`: the same with torch's
+    fused Adam kernel, as the learner steps on CUDA (every group switched: the dense and, at EP2,
+    the experts' optimizer)."""
     ref, out = (moe[1], moe[2]) if name.startswith("ep2") else (dense[1], dense[2])
     out = out[name]
     assert out["overlap"] == [True], out["overlap"]
+    if "fused_adam" in name:
+        assert out["fused_groups"] >= (2 if name.startswith("ep2") else 1), out["fused_groups"]
     assert out["metrics"]["loss"] == pytest.approx(ref["loss2"], rel=1e-5), name
     assert out["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm2"], rel=1e-5), name
     worst = max((out["after"][k] - ref["after2"][k]).abs().max().item() for k in ref["after2"])

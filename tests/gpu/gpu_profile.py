@@ -16,7 +16,8 @@ CPU dry run: the leaf CPU ops', so the same code runs). Each kernel is put in on
 
 A backward kernel has no record_function range of its own (autograd runs it on its own thread); it
 takes the category of the forward op whose autograd node launched it (the profiler's sequence
-numbers link the two). Host-side gaps = the profiled step's wall time minus the time the device was
+numbers link the two). Each of the longest kernels also names the ops that launched it (`launched_by`:
+the launching op and up to three enclosing ops or ranges, ms each, the three largest). Host-side gaps = the profiled step's wall time minus the time the device was
 busy (the union of kernel intervals); the profiler's own overhead inflates them, so the unprofiled
 median step minus the same busy time is recorded beside them.
 """
@@ -79,7 +80,8 @@ def summarize(prof, wall_s: float, device: str, unprofiled_step_s: float | None 
                 fwd_category[seq] = cat
 
     per_cat: dict[str, float] = defaultdict(float)  # µs
-    per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0, None])  # name -> [µs, calls, category]
+    # name -> [µs, calls, category, {the launching op and its ancestors: µs}]
+    per_kernel: dict[str, list] = defaultdict(lambda: [0.0, 0, None, defaultdict(float)])
     intervals = []
     for e in events:
         if e.device_type != DeviceType.CPU:
@@ -93,6 +95,7 @@ def summarize(prof, wall_s: float, device: str, unprofiled_step_s: float | None 
         if not kernels:
             continue
         op_cat = ranged(e)
+        chain = _chain(e)
         for name, us in kernels:
             cat = op_cat or ("gemm" if any(g in name.lower() or g in e.name.lower() for g in GEMM_NAMES)
                              else "other")
@@ -101,6 +104,7 @@ def summarize(prof, wall_s: float, device: str, unprofiled_step_s: float | None 
             k[0] += us
             k[1] += 1
             k[2] = k[2] or cat
+            k[3][chain] += us
     total_us = sum(per_cat.values())
     if device == "cuda" and intervals:
         busy_us = _union(intervals)
@@ -114,13 +118,25 @@ def summarize(prof, wall_s: float, device: str, unprofiled_step_s: float | None 
         "host_gap_s": max(wall_s - busy_us / 1e6, 0.0),
         "share": {c: (per_cat.get(c, 0.0) / total_us if total_us else 0.0) for c in CATEGORIES},
         "top_kernels": [dict(name=n[:160], total_ms=v[0] / 1e3, calls=v[1], category=v[2],
-                             share=v[0] / total_us if total_us else 0.0) for n, v in top],
+                             share=v[0] / total_us if total_us else 0.0,
+                             launched_by={c: t / 1e3 for c, t in sorted(v[3].items(), key=lambda ct: -ct[1])[:3]})
+                        for n, v in top],
         "kernel_source": "cuda kernels" if device == "cuda" else "leaf cpu ops (dry run)",
     }
     if unprofiled_step_s is not None:
         out["unprofiled_step_s"] = unprofiled_step_s
         out["host_gap_unprofiled_s"] = max(unprofiled_step_s - busy_us / 1e6, 0.0)
     return out
+
+
+def _chain(e, depth: int = 4) -> str:
+    """The op that launched a kernel and its enclosing ops/ranges, innermost first ("aten::copy_ <
+    aten::clone < ..."): which code a kernel comes from (ms per chain in `launched_by`)."""
+    names = []
+    while e is not None and len(names) < depth:
+        names.append(e.name[:60])
+        e = e.cpu_parent
+    return " < ".join(names)
 
 
 def _union(intervals) -> float:

@@ -39,13 +39,17 @@ import gpu_common
 import gpu_profile
 
 H100_BF16_PEAK = 989e12
+# The torch spec stepped by megatron-core's own optimizer path without TE or apex (its local
+# multi-tensor fallbacks, torch's foreach Adam): the "before" of patches/megatron_fixes.py's
+# foreach ops and the learner's fused Adam, in the same process as the "after".
+UPSTREAM_OPT = "torch:upstream-optimizer"
 MODELS = {
     "cuda": {
         # Qwen3-1.7B: 28 layers, h 2048, 16 heads (8 KV) x 128, MLP 6144, tied embeddings
         "dense_1p7b": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                    head_dim=128, tie_word_embeddings=True),
-                           seq=2048, batch=8, micro_batch=2, specs=("torch", "local")),
+                           seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT, "local")),
         # Qwen3-30B-A3B's layer (h 2048, 32 heads (4 KV) x 128, experts of 768, top-8), 8 layers
         # and 32 experts: ~2.0B parameters, ~0.76B active per token
         "moe_small": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -58,7 +62,7 @@ MODELS = {
                                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
                                       head_dim=128, num_experts=128, num_experts_per_tok=8,
                                       moe_intermediate_size=768, tie_word_embeddings=False),
-                              seq=2048, batch=8, micro_batch=2, specs=("torch",), rl_step=False),
+                              seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT), rl_step=False),
     },
     "cpu": {
         "dense_1p7b": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -72,7 +76,7 @@ MODELS = {
         "moe_30b_layer": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                       num_experts_per_tok=4, moe_intermediate_size=32, tie_word_embeddings=False),
-                              seq=64, batch=4, micro_batch=2, specs=("torch",), rl_step=False),
+                              seq=64, batch=4, micro_batch=2, specs=("torch", UPSTREAM_OPT), rl_step=False),
     },
 }
 SPECS = ("torch", "local")  # measured in this order, in one process (a shape's `specs` may name fewer)
@@ -129,7 +133,18 @@ def throughput_worker(name: str, spec: dict) -> dict:
     return out
 
 
-def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
+def _upstream_optimizer(learner) -> None:
+    """Step `learner` (not stepped yet) as megatron-core does without TE, apex or this project's
+    changes: its local multi-tensor fallbacks back, torch's default Adam implementation (foreach)."""
+    from patches import megatron_fixes
+
+    megatron_fixes.restore_local_multi_tensor_ops()
+    for opt in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
+        for group in opt.optimizer.param_groups:
+            group["fused"], group["foreach"] = None, None
+
+
+def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
     import torch
 
     from megatron_rl.config.load import load_config, to_object
@@ -143,12 +158,18 @@ def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
             return build_model_chunks(self.bridge, self.ctx)
 
     dev = gpu_common.device()
+    layer_spec, _, variant = name.partition(":")
     cfg = to_object(load_config("tiny_cpu", [
         f"model.hf_path={hf}", f"model.spec={layer_spec}", "model.dtype=bfloat16", "optim.lr=1e-5",
         f"learner.micro_batch_size={spec['micro_batch']}"]))
     # What the learner before this one left allocated (it was freed: this should be ~0).
     before_gib = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0
     learner = RandomInitLearner(cfg, ctx, run_dir=str(hf.parent))
+    fused_groups = learner.fused_adam_groups
+    if variant == "upstream-optimizer":
+        _upstream_optimizer(learner)
+    elif variant:
+        raise ValueError(f"unknown variant {variant!r}")
     params = sum(p.numel() for c in learner.model for p in c.parameters())
     modules = sorted({type(m).__name__ for c in learner.model for m in c.modules()})
     B, S = spec["batch"], spec["seq"]
@@ -168,8 +189,13 @@ def _measure(ctx, hf: Path, spec: dict, layer_spec: str) -> dict:
     tokens_per_s = B * S / step
     out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
-               mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules)
-    if layer_spec == "torch":  # the default spec: where its time goes, then the RL step at the same shape
+               mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules,
+               fused_adam_groups=0 if variant else fused_groups)
+    if variant:
+        from patches import megatron_fixes
+
+        megatron_fixes.use_foreach_multi_tensor_ops()  # back for the next measurement
+    elif layer_spec == "torch":  # the default spec: where its time goes, then the RL step at the same shape
         experts = [m for c in learner.model for m in c.modules() if type(m).__name__ == "GroupedExperts"]
         if experts:  # the grouped GEMM reads the expert weights in place (no stack copy per step)
             out["experts_weights_in_place"] = all(m.stacked_in_place() for m in experts)
@@ -242,6 +268,8 @@ def test_learner_throughput_and_mfu(name):
                "flop_formula": "6*N_active + 12*L*n_heads*head_dim*S per token (both specs)"}
     if "local" in per_spec:
         figures["torch_over_local_tokens_per_s"] = torch_["tokens_per_s"] / per_spec["local"]["tokens_per_s"]
+    if UPSTREAM_OPT in per_spec:  # this project's optimizer path against megatron-core's fallback
+        figures["upstream_optimizer_step_over_ours"] = per_spec[UPSTREAM_OPT]["step_s"] / torch_["step_s"]
     gpu_common.record("d_throughput", {name: figures})
     for layer_spec, out in per_spec.items():
         mem = f", peak {out['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in out else ""
@@ -259,6 +287,13 @@ def test_learner_throughput_and_mfu(name):
         # One rank holds every expert: the sync-free dispatch and the in-place expert weights.
         assert torch_["moe_dispatchers"] == ["SortedTokenDispatcher"], torch_["moe_dispatchers"]
         assert torch_["experts_weights_in_place"], "GroupedExperts copied its weights (storage rebound)"
+    if gpu_common.cuda():  # the learner steps torch's fused Adam on CUDA (every group)
+        assert torch_["fused_adam_groups"] > 0, torch_
+    if UPSTREAM_OPT in per_spec:
+        up = per_spec[UPSTREAM_OPT]
+        assert up["fused_adam_groups"] == 0 and up["params"] == torch_["params"], up
+        print(f"{name}: step {torch_['step_s'] * 1e3:.0f} ms, with megatron-core's fallback optimizer path "
+              f"{up['step_s'] * 1e3:.0f} ms ({figures['upstream_optimizer_step_over_ours']:.3f}x)")
     if "local" in per_spec:
         local = per_spec["local"]
         assert "DotProductAttention" in local["modules"], local

@@ -72,3 +72,53 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _no_host_wait(monkeypatch):
+    """Any device-to-host read inside the block fails the test (on a GPU each is a wait)."""
+    import torch
+
+    def refuse(*a, **k):
+        raise AssertionError("host read of a tensor value")
+
+    for name in ("item", "tolist", "__float__", "__bool__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+
+
+def test_foreach_multi_tensor_ops_equal_float64_without_host_reads(monkeypatch):
+    """megatron-core's optimizer gets the foreach norm and scale, which equal float64 math and read
+    nothing back to the host (upstream's fallback reads every per-tensor norm)."""
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    megatron_fixes.apply()
+    assert clip_grads.l2_norm_impl is megatron_fixes.foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is optimizer.multi_tensor_scale_impl is megatron_fixes.foreach_scale
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g) for s in ((7,), (3, 5), (64, 33), (1,))]
+    ref = torch.cat([t.double().flatten() for t in grads]).norm()
+    flag = torch.zeros(1, dtype=torch.int)
+    with monkeypatch.context() as m:
+        _no_host_wait(m)
+        norm, per = megatron_fixes.foreach_l2_norm(2048, flag, [grads[:2], grads[2:]], True)
+        # the clip: in place on the same tensors, by a factor < 1
+        clipped = [t.clone() for t in grads]
+        megatron_fixes.foreach_scale(2048, flag, [clipped, clipped], 0.25)
+        # the master-weight copy: fp32 -> bf16, scale 1
+        model = [torch.empty_like(t, dtype=torch.bfloat16) for t in grads]
+        megatron_fixes.foreach_scale(2048, flag, [grads, model], 1.0)
+        scaled = [torch.empty_like(t) for t in grads]
+        megatron_fixes.foreach_scale(2048, flag, [grads, scaled], 3.0)
+        empty, _ = megatron_fixes.foreach_l2_norm(2048, flag, [[]], False)
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    assert abs(norm.double().item() - ref.item()) < 1e-5 * ref.item()
+    assert torch.allclose(per.double(), torch.stack([t.double().norm() for t in grads]), rtol=1e-6)
+    for t, c, b, s in zip(grads, clipped, model, scaled):
+        assert torch.equal(c, t * 0.25) and torch.equal(b, t.to(torch.bfloat16)) and torch.equal(s, t * 3.0)
+    assert empty.item() == 0.0
+    megatron_fixes.restore_local_multi_tensor_ops()
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+    assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+    megatron_fixes.use_foreach_multi_tensor_ops()
+    assert optimizer.multi_tensor_scale_impl is megatron_fixes.foreach_scale
