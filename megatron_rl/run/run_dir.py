@@ -50,6 +50,7 @@ OPERATIONAL = (
     "reward_model.server_urls", "reward_model.num_servers", "reward_model.max_total_tokens",
     "reward_model.mem_fraction_static",
     "data.reward_workers", "data.reward_timeout",
+    "learner.loss_kernel",  # the same quantities (both kernels checked against float64), another kernel
 )
 
 

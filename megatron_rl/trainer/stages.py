@@ -25,6 +25,7 @@ from megatron_rl.distributed.collectives import all_gather_varlen, all_reduce_su
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.run.metrics import nonfinite
 from megatron_rl.trainer.policy import PolicyLoss
+from megatron_rl.vocab_parallel import resolve_kernel
 
 
 class TrainingError(RuntimeError):
@@ -38,6 +39,7 @@ class Stages:
         self.cfg, self.ctx, self.out_dir = cfg, ctx, out_dir
         self.learner, self.reference, self.critic, self.reward_model = (
             models.policy, models.reference, models.critic, models.reward_model)
+        self.loss_kernel = resolve_kernel(cfg.learner.loss_kernel, ctx.device)
 
     def score_with_reward_model(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         """Collective: the reward model scores prompt+response; its score joins the rule reward."""
@@ -179,7 +181,7 @@ class Stages:
                                  dp_group=self.ctx.dp_group, device=self.ctx.device,
                                  split_at_step=step if split else None,
                                  record=every > 0 and step % every == 0,
-                                 kernel=self.cfg.learner.loss_kernel)
+                                 kernel=self.loss_kernel)
             out = self.learner.train_step(mb, loss_fn, routing=routing)
             out |= loss_fn.finish(self.learner)
             if loss_fn.records is not None:

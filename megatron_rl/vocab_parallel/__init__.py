@@ -20,7 +20,7 @@ from .divergences import (
     vocab_parallel_full_divergence,
     vocab_parallel_topk_divergence,
 )
-from .fused import DIVERGENCES, KERNELS, TOPK_DIVERGENCES, PolicyStats, vocab_parallel_policy_stats
+from .fused import DIVERGENCES, KERNELS, TOPK_DIVERGENCES, PolicyStats, resolve_kernel, vocab_parallel_policy_stats
 from .logprobs import (
     DEFAULT_CHUNK_SIZE,
     temperature_scale,
@@ -38,6 +38,7 @@ __all__ = [
     "KERNELS",
     "TOPK_DIVERGENCES",
     "PolicyStats",
+    "resolve_kernel",
     "REST_CLAMP",
     "ShardInfo",
     "binary_kl",

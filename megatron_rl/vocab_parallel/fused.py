@@ -33,6 +33,18 @@ TOPK_DIVERGENCES = ("topk_tv", "topk_kl")  # need the rollout's top-K log-probs 
 KERNELS = ("torch", "triton")
 
 
+def resolve_kernel(name: str, device) -> str:
+    """learner.loss_kernel as run on `device`: "auto" is the fused Triton kernel on CUDA where
+    triton imports (its backward writes the gradient over the logits: no logits-sized buffer, for
+    bf16 and fp32 logits alike) and the torch path elsewhere; "torch" and "triton" are themselves."""
+    if name != "auto":
+        return name
+    import importlib.util
+
+    cuda = torch.device(device).type == "cuda"
+    return "triton" if cuda and importlib.util.find_spec("triton") is not None else "torch"
+
+
 @dataclass(frozen=True)
 class PolicyStats:
     """Per-token outputs, all shaped like the target ids [...] (fp32, or fp64 for fp64 logits)."""

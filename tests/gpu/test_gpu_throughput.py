@@ -49,7 +49,7 @@ MODELS = {
         "dense_1p7b": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                    num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                                    head_dim=128, tie_word_embeddings=True),
-                           seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT, "local")),
+                           seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT, "torch:micro-batch-4", "local")),
         # Qwen3-30B-A3B's layer (h 2048, 32 heads (4 KV) x 128, experts of 768, top-8), 8 layers
         # and 32 experts: ~2.0B parameters, ~0.76B active per token
         "moe_small": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
@@ -68,7 +68,7 @@ MODELS = {
         "dense_1p7b": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    tie_word_embeddings=True),
-                           seq=64, batch=4, micro_batch=2),
+                           seq=64, batch=4, micro_batch=2, specs=("torch", "torch:micro-batch-4", "local")),
         "moe_small": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                                   num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False),
@@ -159,6 +159,8 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
 
     dev = gpu_common.device()
     layer_spec, _, variant = name.partition(":")
+    if variant.startswith("micro-batch-"):  # the same shape at another micro-batch (memory vs MFU)
+        spec = {**spec, "micro_batch": int(variant.removeprefix("micro-batch-"))}
     cfg = to_object(load_config("tiny_cpu", [
         f"model.hf_path={hf}", f"model.spec={layer_spec}", "model.dtype=bfloat16", "optim.lr=1e-5",
         f"learner.micro_batch_size={spec['micro_batch']}"]))
@@ -168,7 +170,7 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
     fused_groups = learner.fused_adam_groups
     if variant == "upstream-optimizer":
         _upstream_optimizer(learner)
-    elif variant:
+    elif variant and not variant.startswith("micro-batch-"):
         raise ValueError(f"unknown variant {variant!r}")
     params = sum(p.numel() for c in learner.model for p in c.parameters())
     modules = sorted({type(m).__name__ for c in learner.model for m in c.modules()})
@@ -190,7 +192,7 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
     out = dict(params=params, active_matmul_params=n_active, flops_per_token=fpt, tokens_per_step=B * S,
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules,
-               fused_adam_groups=0 if variant else fused_groups)
+               fused_adam_groups=0 if variant == "upstream-optimizer" else fused_groups)
     if variant:
         from patches import megatron_fixes
 

@@ -68,10 +68,13 @@ def test_experiment_keys_and_operational_keys():
     # A configuration written before a key existed: the key at its default is no difference (the
     # default is what the code did before); set otherwise, it is one.
     old = as_dict(job("runs/x"))
-    del old["learner"]["loss_kernel"]
+    del old["optim"]["clip_grad"]
     assert differences(old, a) == ([], [])
-    assert differences(old, as_dict(job("runs/x", "learner.loss_kernel=triton"))) == (
-        ["learner.loss_kernel: '(absent)' -> 'triton'"], [])
+    assert differences(old, as_dict(job("runs/x", "optim.clip_grad=0.5"))) == (
+        ["optim.clip_grad: '(absent)' -> 0.5"], [])
+    # Another loss kernel computes the same quantities: an operational change.
+    assert differences(a, as_dict(job("runs/x", "learner.loss_kernel=triton"))) == (
+        [], ["learner.loss_kernel: 'auto' -> 'triton'"])
 
 
 def test_finished_run_has_nothing_to_do_and_starts_nothing(tmp_path, capsys, no_server):

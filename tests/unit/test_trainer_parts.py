@@ -546,13 +546,26 @@ def test_eval_metrics_with_and_without_missing_samples():
     assert eval_metrics([[], []], 2, missing=4) == {"eval/missing_samples": 4.0}  # nothing finished: no NaN
 
 
-def test_learner_loss_kernel_is_checked_and_reaches_the_policy_stats():
+def test_learner_loss_kernel_is_checked_and_reaches_the_policy_stats(monkeypatch):
     """learner.loss_kernel: a typo names the valid kernels; triton where it cannot be imported is
-    refused before the start (it is kept off this CPU venv's path); PolicyLoss hands the choice on."""
+    refused before the start (it is kept off this CPU venv's path); `auto` (the default) is the
+    Triton kernel on CUDA where triton imports, torch elsewhere; PolicyLoss hands the choice on."""
+    import importlib.util
+
     from megatron_rl.trainer.preflight import validate
     from megatron_rl.trainer.policy import PolicyLoss
+    from megatron_rl.vocab_parallel import resolve_kernel
 
-    with pytest.raises(ValueError, match="valid: torch, triton"):
+    assert to_object(load_config("tiny_cpu")).learner.loss_kernel == "auto"
+    assert resolve_kernel("auto", "cpu") == "torch" and resolve_kernel("torch", "cuda") == "torch"
+    assert resolve_kernel("auto", "cuda") == ("triton" if importlib.util.find_spec("triton") else "torch")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "triton" else real(n, *a))
+    assert resolve_kernel("auto", "cuda:0") == "triton" and resolve_kernel("auto", "cpu") == "torch"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "triton" else real(n, *a))
+    assert resolve_kernel("auto", "cuda") == "torch"
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="valid: auto, torch, triton"):
         validate(to_object(load_config("tiny_cpu", ["learner.loss_kernel=cuda"])))
     with pytest.raises(ValueError, match="needs the triton package"):
         validate(to_object(load_config("tiny_cpu", ["learner.loss_kernel=triton"])))
