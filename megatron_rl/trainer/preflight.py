@@ -138,8 +138,8 @@ def validate(cfg: JobConfig) -> None:
     from megatron_rl.vocab_parallel import KERNELS
     from megatron_rl.weights.fp8 import QUANTIZATIONS
 
-    if cfg.learner.loss_kernel not in KERNELS:
-        raise ValueError(f"learner.loss_kernel={cfg.learner.loss_kernel!r}; valid: {', '.join(KERNELS)}")
+    if cfg.learner.loss_kernel not in ("auto", *KERNELS):
+        raise ValueError(f"learner.loss_kernel={cfg.learner.loss_kernel!r}; valid: auto, {', '.join(KERNELS)}")
     if cfg.learner.loss_kernel == "triton" and importlib.util.find_spec("triton") is None:
         raise ValueError("learner.loss_kernel=triton needs the triton package, which is not importable here "
                          "(it comes with CUDA builds of torch); learner.loss_kernel=torch runs everywhere")
