@@ -83,6 +83,8 @@ def _dry_run(recipe: str, overrides: list[str], world_size: int | None, command:
     print("\n".join(servers))
     print(f"layout for world size {world_size}: " + " ".join(f"{k}={v}" for k, v in sizes.items()))
     if command == "train":
+        if ready.memory:
+            print(ready.memory)
         print(ready.storage)
         print(ready.idle or run_folder)  # the last line: the sbatch says it
     return 0

@@ -99,6 +99,7 @@ class LearnerConfig:
     micro_batch_size: int = 1  # sequences per micro-batch (per data-parallel rank) when max_tokens_per_micro_batch is 0
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (sequences x its longest, padded); 0 = micro_batch_size sequences each
     pad_to_multiple_of: int = 8  # pad sequence length (x TP when sequence parallel)
+    memory_limit: float = 0.95  # share of the GPU's memory one learner rank's estimated peak may take: dry-run and train refuse a layout above it, naming what to change (models/memory.py); 0 = no check
     loss_kernel: str = "auto"  # auto (triton on CUDA where it imports, else torch) | torch (chunked torch ops, the reference) | triton (fused Triton kernels over the vocab shard: one read forward, one read + gradient write backward; CUDA, vocab_parallel/triton_kernels.py)
 
 

@@ -50,6 +50,7 @@ OPERATIONAL = (
     "reward_model.server_urls", "reward_model.num_servers", "reward_model.max_total_tokens",
     "reward_model.mem_fraction_static",
     "data.reward_workers", "data.reward_timeout",
+    "learner.memory_limit",  # a check before the start, not the run
     "learner.loss_kernel",  # the same quantities (both kernels checked against float64), another kernel
 )
 

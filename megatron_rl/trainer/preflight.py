@@ -9,10 +9,15 @@ In the order a user meets the failures:
   the placement of the servers), which needs no process group;
 - the batch against the data-parallel ranks (`check_batch_split`: a prompt group per producer, a
   sequence per rank in each mini-batch);
+- the learner's GPU memory, for a GPU run (`check_learner_memory`, models/memory.py: one rank's
+  estimated peak from the model's shape and the layout, refused above learner.memory_limit of the
+  device's memory, naming what would fit);
 - the data files (`check_data_files`);
 - the run folder (`check_resume`: it holds this run or none; `nothing_to_do`: a finished run) and,
   for `train_only`, the saved rollouts of every step it will train (`check_saved_rollouts`);
 - storage (`storage_check`: the checkpoints fit the quota and the disk).
+`train` also gets the CUDA caching allocator's expandable segments here (`cuda_allocator_defaults`),
+before its first CUDA allocation.
 Each check lives with its owner (models/layout.py, rollout/placement.py, run/...); this module only
 calls them, so a new setting's check is written beside the code that reads it and added here.
 """
@@ -23,6 +28,7 @@ import dataclasses
 import importlib.util
 import inspect
 import math
+import os
 from typing import Optional
 
 from megatron_rl.algorithms.registry import get
@@ -212,6 +218,21 @@ class Ready:
     resume: Resume
     idle: Optional[str]
     storage: Optional[str]
+    memory: Optional[str] = None  # the learner's per-GPU memory line (GPU runs)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def cuda_allocator_defaults(environ=os.environ, cuda: Optional[bool] = None) -> None:
+    """On CUDA, `expandable_segments:True` unless the user set PYTORCH_CUDA_ALLOC_CONF: token-budgeted
+    micro-batches change shape every step, and a fragmented cache can turn free memory into an
+    out-of-memory error hours in. The allocator reads the variable at its first allocation, so this
+    runs first in `train` (the sbatch sets the same for its learner steps)."""
+    import torch
+
+    if ALLOC_CONF not in environ and (torch.cuda.is_available() if cuda is None else cuda):
+        environ[ALLOC_CONF] = "expandable_segments:True"
 
 
 def as_run(cfg: JobConfig) -> JobConfig:
@@ -265,6 +286,8 @@ def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[in
     from megatron_rl.models.hub import resolve_model_paths
     from megatron_rl.models.layout import check_layout
 
+    if command == "train":
+        cuda_allocator_defaults()
     p = _Problems()
     # A GPU recipe on a node whose driver is older than torch's CUDA (both versions named), else, in a
     # Slurm job, on a Python without CUDA
@@ -273,14 +296,23 @@ def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[in
         p.check(check_gpu_python, cfg)
     # hub ids -> the hub cache's snapshot folders (HF_HUB_OFFLINE=1: the cache only)
     model_found, _ = p.check(resolve_model_paths, cfg)
+    layout_ok = False
     if model_found:  # what Megatron-Core would refuse after the start, said now
-        p.check(check_layout, cfg.model, cfg.parallel)
+        layout_ok, _ = p.check(check_layout, cfg.model, cfg.parallel)
     p.check(validate, cfg)
     p.check(check_data_files, cfg.data)
     if command != "train":
         p.raise_any()
         return Ready(Resume(None), None, None)
-    p.check(lambda: check_batch_split(cfg, layout_sizes(cfg.parallel, world_size or launch_world(cfg))["dp"]))
+    world = world_size or launch_world(cfg)
+    split_ok, _ = p.check(lambda: check_batch_split(cfg, layout_sizes(cfg.parallel, world)["dp"]))
+    memory = None
+    if layout_ok and split_ok and _gpu_run(cfg):  # the layout's memory on the recipe's GPUs (on a laptop too)
+        import torch
+
+        from megatron_rl.models.memory import check_learner_memory
+
+        _, memory = p.check(check_learner_memory, cfg, world, torch.cuda.device_count() or 8)
     from megatron_rl.run.checkpoint import storage_check
     from megatron_rl.run.run_dir import check_resume, nothing_to_do
 
@@ -297,4 +329,11 @@ def preflight(cfg: JobConfig, *, command: str = "train", world_size: Optional[in
             if problems:
                 p.errors.append(ValueError("the run's checkpoints do not fit:\n  " + "\n  ".join(problems)))
     p.raise_any()
-    return Ready(resume, idle, storage)
+    return Ready(resume, idle, storage, memory)
+
+
+def _gpu_run(cfg: JobConfig) -> bool:
+    """A run whose learner is on GPUs: a GPU recipe (`hardware` not "cpu..."), or CUDA here."""
+    import torch
+
+    return not cfg.hardware.lower().startswith("cpu") or torch.cuda.is_available()
