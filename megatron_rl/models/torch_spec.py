@@ -259,22 +259,87 @@ class _Restack(NamedTuple):
     offset: int
 
 
+# The expert weights' gradients go into megatron-core DDP's fp32 `main_grad`s from the grouped
+# GEMM's backward, one kernel per projection (`_accumulate_main_grads`), instead of DDP's hook adding
+# each expert's gradient in a kernel of its own. False: the hooks add (the GPU suite's "before").
+FUSED_EXPERT_GRAD_ACCUMULATION = True
+
+
+class _MainGradRows(NamedTuple):
+    """Where DDP keeps a projection's expert `main_grad`s: one flat fp32 span of its buffer and each
+    expert's offset in it (host list and device tensor)."""
+    flat: torch.Tensor
+    offsets: list
+    offsets_dev: torch.Tensor
+    key: tuple
+
+
+def _main_grad_rows(weights: Sequence[torch.Tensor]) -> Optional[_MainGradRows]:
+    """The weights' `main_grad`s as offsets into one flat fp32 span, when every weight has one
+    (megatron-core's DDP: `main_grad` and `grad_added_to_main_grad`), contiguous, all in one
+    storage; else None. Any order and any gaps (DDP lays parameters out in reverse; the
+    distributed optimizer pads)."""
+    grads = [getattr(w, "main_grad", None) for w in weights]
+    if not grads or any(g is None or not hasattr(w, "grad_added_to_main_grad") for g, w in zip(grads, weights)):
+        return None
+    g0 = grads[0]
+    storage = g0.untyped_storage().data_ptr()
+    if any(g.dtype != torch.float32 or g.numel() != g0.numel() or not g.is_contiguous()
+           or g.untyped_storage().data_ptr() != storage for g in grads):
+        return None
+    lo = min(g.storage_offset() for g in grads)
+    hi = max(g.storage_offset() for g in grads) + g0.numel()
+    flat = g0.as_strided((hi - lo,), (1,), lo)
+    offsets = [g.storage_offset() - lo for g in grads]
+    return _MainGradRows(flat, offsets, torch.tensor(offsets, dtype=torch.int64, device=g0.device),
+                         (grads[0].data_ptr(), grads[-1].data_ptr()))
+
+
+def _accumulate_main_grads(grad_ENK: torch.Tensor, weights: Sequence[torch.Tensor], rows: _MainGradRows) -> None:
+    """main_grad of weights[e] += grad_ENK[e] for every e, and the weights marked
+    `grad_added_to_main_grad` (DDP's hook then skips its own add, as for megatron-core's fused
+    weight-gradient accumulation). On CUDA one Triton kernel (triton_accumulate.py: bf16 read,
+    fp32 read-modify-write, vectorised); elsewhere the same offsets through one `index_add_`."""
+    g = grad_ENK.contiguous()
+    if g.is_cuda:
+        from megatron_rl.models.triton_accumulate import accumulate_rows
+
+        accumulate_rows(rows.flat, rows.offsets_dev, g)
+    else:
+        NK = g[0].numel()
+        index = (rows.offsets_dev[:, None] + torch.arange(NK, device=g.device)).flatten()
+        rows.flat.index_add_(0, index, g.reshape(-1).to(torch.float32))
+    for w in weights:
+        w.grad_added_to_main_grad = True
+
+
 class _StackedParams(torch.autograd.Function):
     """The per-expert parameters as the [E, N, K] tensor that holds their storage, without a copy;
-    its gradient goes back to each parameter (row e)."""
+    its gradient goes back to each parameter (row e). With `_MainGradRows` (megatron-core's DDP)
+    the backward adds the whole gradient to the `main_grad`s itself (`_accumulate_main_grads`) and
+    hands each parameter a gradient only so that DDP's hook fires (it marks the bucket ready and
+    skips its add)."""
 
     @staticmethod
     def forward(ctx, holder: tuple, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.weights = holder[1], weights
         return holder[0].view(holder[0].shape)
 
     @staticmethod
     def backward(ctx, grad_ENK: torch.Tensor):
-        return (None, *grad_ENK.unbind(0))
+        grads = grad_ENK.unbind(0)
+        if ctx.rows is not None:
+            _accumulate_main_grads(grad_ENK, ctx.weights, ctx.rows)
+            if not grads[0].is_contiguous():  # autograd would copy each into the parameter's layout
+                grads = tuple(torch.empty_like(w) for w in ctx.weights)
+        return (None, *grads)
 
 
-def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor],
+                  rows: Optional[_MainGradRows] = None) -> Optional[torch.Tensor]:
     """`buf` [E, N, K] as a differentiable stack of `weights` if weights[e] is still row e of
-    it (host-side pointer checks only), else None."""
+    it (host-side pointer checks only), else None. `rows`: where the backward adds the gradient
+    (`_main_grad_rows`), or None (autograd hands each parameter its gradient)."""
     if buf is None or len(weights) != buf.shape[0]:
         return None
     w0 = weights[0]
@@ -284,7 +349,7 @@ def _stacked_view(buf: Optional[torch.Tensor], weights: Sequence[torch.Tensor]) 
     for e, w in enumerate(weights):
         if w.data_ptr() != base + e * step or not w.is_contiguous():
             return None
-    return _StackedParams.apply((buf,), *weights)
+    return _StackedParams.apply((buf, rows), *weights)
 
 
 class GroupedExperts(SequentialMLP):
@@ -328,6 +393,22 @@ class GroupedExperts(SequentialMLP):
         self._rehome()
         return out
 
+    def _rows(self, proj: str, weights: list) -> Optional[_MainGradRows]:
+        """`_main_grad_rows(weights)`, found once per DDP buffer (DDP assigns each `main_grad` once;
+        the first and last are checked on every call)."""
+        if not FUSED_EXPERT_GRAD_ACCUMULATION or getattr(weights[0], "main_grad", None) is None:
+            return None
+        cache = self.__dict__.setdefault("_main_grad_rows", {})
+        rows = cache.get(proj)
+        if rows is None or rows.key != (weights[0].main_grad.data_ptr(), weights[-1].main_grad.data_ptr()):
+            rows = cache[proj] = _main_grad_rows(weights)
+        return rows
+
+    def main_grad_fused(self) -> bool:
+        """Whether the backward adds each projection's expert gradients to DDP's `main_grad`s in
+        one kernel (`_accumulate_main_grads`), not DDP's hook one per expert."""
+        return all(self._rows(p, self._weights(p)) is not None for p in ("linear_fc1", "linear_fc2"))
+
     def stacked_in_place(self) -> bool:
         """Whether the grouped GEMM reads the expert weights in place (no copy per step)."""
         return all(_stacked_view(self._stacks.get(p), self._weights(p)) is not None
@@ -361,8 +442,8 @@ class GroupedExperts(SequentialMLP):
             # no host copy is made; megatron-core's all-to-all dispatcher hands them over on the host.
             counts = torch.as_tensor(tokens_per_expert).to(x_TH.device, non_blocking=True)
             offsets = counts.cumsum(0).to(torch.int32)
-            s1 = _stacked_view(self._stacks.get("linear_fc1"), w1)
-            s2 = _stacked_view(self._stacks.get("linear_fc2"), w2)
+            s1 = _stacked_view(self._stacks.get("linear_fc1"), w1, self._rows("linear_fc1", w1))
+            s2 = _stacked_view(self._stacks.get("linear_fc2"), w2, self._rows("linear_fc2", w2))
         h = grouped_linear(x_TH, w1, tokens_per_expert, offsets, grouped=grouped, stacked=s1)
         with torch.profiler.record_function("moe_expert_act"):
             h = self._activation(h)

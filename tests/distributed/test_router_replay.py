@@ -128,7 +128,9 @@ def replay_worker(rank, world_size, path_b, routes_a, parallel, recompute, spec=
         return None
     return dict(natural=natural, recorded=recorded, recorded_logp=recorded_logp, replayed=replayed,
                 metrics=metrics, after=after, consumption_error=consumption_error,
-                modules={type(m).__name__ for c in learner.model for m in c.modules()})
+                modules={type(m).__name__ for c in learner.model for m in c.modules()},
+                main_grad_fused=[m.main_grad_fused() for c in learner.model for m in c.modules()
+                                 if type(m).__name__ == "GroupedExperts"])
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +242,9 @@ def test_torch_spec_replays_like_the_local_spec(models, replays):
     ours, local, mask = replays["torch_ep2"], replays["ep2"], models["mask"]
     assert {"SDPAttention", "GroupedExperts"} <= ours["modules"], ours["modules"]
     assert not {"SDPAttention", "GroupedExperts"} & local["modules"], local["modules"]
+    # The expert gradients went into DDP's main_grads from the grouped GEMM's backward (one add per
+    # projection), not through DDP's per-parameter hooks.
+    assert ours["main_grad_fused"] and all(ours["main_grad_fused"]), ours["main_grad_fused"]
     for key in ("natural", "recorded_logp", "replayed"):
         gap = (ours[key].double() - local[key].double())[mask].abs().max().item()
         assert gap <= 1e-6, (key, gap)

@@ -43,6 +43,9 @@ H100_BF16_PEAK = 989e12
 # multi-tensor fallbacks, torch's foreach Adam): the "before" of patches/megatron_fixes.py's
 # foreach ops and the learner's fused Adam, in the same process as the "after".
 UPSTREAM_OPT = "torch:upstream-optimizer"
+# The MoE experts' gradients added by DDP's hook, one kernel per expert weight (the "before" of
+# `torch_spec._accumulate_main_grads`, one kernel per projection).
+PER_EXPERT_ADDS = "torch:per-expert-adds"
 MODELS = {
     "cuda": {
         # Qwen3-1.7B: 28 layers, h 2048, 16 heads (8 KV) x 128, MLP 6144, tied embeddings
@@ -56,13 +59,14 @@ MODELS = {
                                   num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                                   head_dim=128, num_experts=32, num_experts_per_tok=8,
                                   moe_intermediate_size=768, tie_word_embeddings=False),
-                          seq=2048, batch=8, micro_batch=2, specs=("torch",)),
+                          seq=2048, batch=8, micro_batch=2, specs=("torch", PER_EXPERT_ADDS)),
         # Qwen3-30B-A3B's layer as it is: 128 experts, top-8, 4 layers: ~3.1B parameters
         "moe_30b_layer": dict(hf=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                                       num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
                                       head_dim=128, num_experts=128, num_experts_per_tok=8,
                                       moe_intermediate_size=768, tie_word_embeddings=False),
-                              seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT), rl_step=False),
+                              seq=2048, batch=8, micro_batch=2, specs=("torch", UPSTREAM_OPT, PER_EXPERT_ADDS),
+                              rl_step=False),
     },
     "cpu": {
         "dense_1p7b": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,7 +80,8 @@ MODELS = {
         "moe_30b_layer": dict(hf=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
                                       num_experts_per_tok=4, moe_intermediate_size=32, tie_word_embeddings=False),
-                              seq=64, batch=4, micro_batch=2, specs=("torch", UPSTREAM_OPT), rl_step=False),
+                              seq=64, batch=4, micro_batch=2, specs=("torch", UPSTREAM_OPT, PER_EXPERT_ADDS),
+                              rl_step=False),
     },
 }
 SPECS = ("torch", "local")  # measured in this order, in one process (a shape's `specs` may name fewer)
@@ -168,9 +173,12 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
     before_gib = torch.cuda.memory_allocated() / 2**30 if dev == "cuda" else 0.0
     learner = RandomInitLearner(cfg, ctx, run_dir=str(hf.parent))
     fused_groups = learner.fused_adam_groups
+    from megatron_rl.models import torch_spec
+
+    torch_spec.FUSED_EXPERT_GRAD_ACCUMULATION = variant != "per-expert-adds"
     if variant == "upstream-optimizer":
         _upstream_optimizer(learner)
-    elif variant and not variant.startswith("micro-batch-"):
+    elif variant and not variant.startswith("micro-batch-") and variant != "per-expert-adds":
         raise ValueError(f"unknown variant {variant!r}")
     params = sum(p.numel() for c in learner.model for p in c.parameters())
     modules = sorted({type(m).__name__ for c in learner.model for m in c.modules()})
@@ -193,10 +201,14 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
                seq=S, micro_batch=spec["micro_batch"], step_s=step, all_step_s=times, tokens_per_s=tokens_per_s,
                mfu=tokens_per_s * fpt / H100_BF16_PEAK, losses=losses, modules=modules,
                fused_adam_groups=0 if variant == "upstream-optimizer" else fused_groups)
+    experts = [m for c in learner.model for m in c.modules() if type(m).__name__ == "GroupedExperts"]
+    if experts:  # the expert gradients reached DDP's main_grads in one kernel per projection
+        out["experts_main_grad_fused"] = all(m.main_grad_fused() for m in experts)
     if variant:
         from patches import megatron_fixes
 
         megatron_fixes.use_foreach_multi_tensor_ops()  # back for the next measurement
+        torch_spec.FUSED_EXPERT_GRAD_ACCUMULATION = True
     elif layer_spec == "torch":  # the default spec: where its time goes, then the RL step at the same shape
         experts = [m for c in learner.model for m in c.modules() if type(m).__name__ == "GroupedExperts"]
         if experts:  # the grouped GEMM reads the expert weights in place (no stack copy per step)
@@ -272,6 +284,8 @@ def test_learner_throughput_and_mfu(name):
         figures["torch_over_local_tokens_per_s"] = torch_["tokens_per_s"] / per_spec["local"]["tokens_per_s"]
     if UPSTREAM_OPT in per_spec:  # this project's optimizer path against megatron-core's fallback
         figures["upstream_optimizer_step_over_ours"] = per_spec[UPSTREAM_OPT]["step_s"] / torch_["step_s"]
+    if PER_EXPERT_ADDS in per_spec:  # DDP's per-expert adds against one kernel per projection
+        figures["per_expert_adds_step_over_ours"] = per_spec[PER_EXPERT_ADDS]["step_s"] / torch_["step_s"]
     gpu_common.record("d_throughput", {name: figures})
     for layer_spec, out in per_spec.items():
         mem = f", peak {out['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in out else ""
@@ -289,6 +303,12 @@ def test_learner_throughput_and_mfu(name):
         # One rank holds every expert: the sync-free dispatch and the in-place expert weights.
         assert torch_["moe_dispatchers"] == ["SortedTokenDispatcher"], torch_["moe_dispatchers"]
         assert torch_["experts_weights_in_place"], "GroupedExperts copied its weights (storage rebound)"
+        assert torch_["experts_main_grad_fused"], "the expert gradients went through DDP's hooks"
+    if PER_EXPERT_ADDS in per_spec:
+        adds = per_spec[PER_EXPERT_ADDS]
+        assert not adds["experts_main_grad_fused"], adds
+        print(f"{name}: step {torch_['step_s'] * 1e3:.0f} ms, with DDP's per-expert adds {adds['step_s'] * 1e3:.0f} ms "
+              f"({figures['per_expert_adds_step_over_ours']:.3f}x)")
     if gpu_common.cuda():  # the learner steps torch's fused Adam on CUDA (every group)
         assert torch_["fused_adam_groups"] > 0, torch_
     if UPSTREAM_OPT in per_spec:
@@ -300,6 +320,11 @@ def test_learner_throughput_and_mfu(name):
         local = per_spec["local"]
         assert "DotProductAttention" in local["modules"], local
         assert torch_["params"] == local["params"]
+    # Every variant trains the same model from the same init on the same batch: the same losses up to
+    # bf16 rounding (a gradient lost or added twice moves them by O(1) within these steps).
+    for variant, out in per_spec.items():
+        gap = max(abs(a - b) for a, b in zip(out["losses"], torch_["losses"]))
+        assert gap <= 0.02 + 0.002 * max(torch_["losses"]), (variant, out["losses"], torch_["losses"])
     # Where the time went: every category present, shares summing to 1.
     prof = torch_["profile"]
     assert abs(sum(prof["share"].values()) - 1) < 1e-6 and prof["top_kernels"], prof

@@ -122,3 +122,33 @@ def test_foreach_multi_tensor_ops_equal_float64_without_host_reads(monkeypatch):
     assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale
     megatron_fixes.use_foreach_multi_tensor_ops()
     assert optimizer.multi_tensor_scale_impl is megatron_fixes.foreach_scale
+
+
+def test_linear_backward_gets_one_contiguous_output_gradient(monkeypatch):
+    """A transposed (non-contiguous) output gradient reaches megatron-core's linear backward
+    contiguous, once; the input and weight gradients equal float64 math."""
+    import torch
+    from megatron.core.tensor_parallel import layers
+
+    megatron_fixes.apply()
+    fn = layers.LinearWithGradAccumulationAndAsyncCommunication
+    assert getattr(fn.backward, "_megatron_rl_fixed", False)
+    seen = []
+    real_contiguous = torch.Tensor.contiguous
+
+    def spy(self, *a, **k):
+        seen.append(self.is_contiguous())
+        return real_contiguous(self, *a, **k)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 4, generator=g, requires_grad=True)  # [s, b, in]
+    w = torch.randn(6, 4, generator=g, requires_grad=True)
+    y = fn.apply(x, w, None, False, False, False, None, 0, None)  # [s, b, out]
+    up = torch.randn(3, 5, 6, generator=g)  # the loss reads [b, s, out]: its gradient comes back transposed
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "contiguous", spy)
+        (y.transpose(0, 1) * up).sum().backward()
+    assert seen and not seen[0] and all(seen[1:]), seen  # the first call copies, every later one is a no-op
+    ref_up = up.transpose(0, 1).double()
+    torch.testing.assert_close(x.grad.double(), ref_up @ w.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad.double(), torch.einsum("sbo,sbi->oi", ref_up, x.double()), rtol=1e-6, atol=1e-6)

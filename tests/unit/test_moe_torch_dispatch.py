@@ -311,3 +311,103 @@ def test_torch_spec_moe_layer_equals_local_spec_layer(parallel, world, dispatche
             assert ours["syncs"] == [], ours["syncs"]  # the whole layer, forward and backward
         else:  # megatron-core's all-to-all needs its split sizes on the host
             assert ours["syncs"], "the sync counter saw nothing in megatron-core's EP dispatcher"
+
+
+def _ddp_like(weights_in_module_order, gaps):
+    """Give parameters `main_grad`s as megatron-core's DDP does: one fp32 buffer, parameters laid
+    out in reverse order (`params[::-1]`), `gaps(i)` elements before the i-th (0: back to back,
+    without the distributed optimizer; the same for all: its alignment; else an irregular layout)."""
+    ps = weights_in_module_order[::-1]
+    buf = torch.zeros(sum(p.numel() + gaps(i) for i, p in enumerate(ps)), dtype=torch.float32)
+    at = 0
+    for i, p in enumerate(ps):
+        at += gaps(i)
+        p.main_grad = buf[at:at + p.numel()].view(p.shape)
+        p.grad_added_to_main_grad = False
+        at += p.numel()
+    return buf
+
+
+def _ddp_hook(p):
+    """DDP's backward post-hook (distributed_data_parallel.py `_make_backward_post_hook`)."""
+    if p.grad is not None and not p.grad_added_to_main_grad:
+        p.main_grad.add_(p.grad.data)
+    p.grad = None
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "hooks"])
+@pytest.mark.parametrize("layout", ["back_to_back", "aligned", "irregular"])
+def test_expert_gradients_reach_main_grad_in_one_kernel(layout, fused, monkeypatch):
+    """Wherever DDP's buffer puts the experts' `main_grad`s (reversed, aligned, with irregular
+    gaps) the backward adds each projection's [E, N, K] gradient there in one operation and the
+    hooks skip theirs; with the fusion off the hooks add. Either way each expert gets exactly its
+    gradient summed over micro-batches, nothing else in the buffer moves, and no parameter keeps
+    a .grad."""
+    from megatron_rl.models.torch_spec import _main_grad_rows
+
+    monkeypatch.setattr(torch_spec, "FUSED_EXPERT_GRAD_ACCUMULATION", fused)
+    g = torch.Generator().manual_seed(5)
+    n, k1, k2 = 4, (6, 5), (5, 3)
+    stacks = [torch.randn(n, *k, generator=g) for k in (k1, k2)]
+    fc = [[torch.nn.Parameter(s[e]) for e in range(n)] for s in stacks]
+    for s, ps in zip(stacks, fc):  # the parameters are views of their stack, as GroupedExperts keeps them
+        for e, p in enumerate(ps):
+            p.data = s[e]
+    gaps = {"back_to_back": lambda i: 0, "aligned": lambda i: 64, "irregular": lambda i: 7 * (i == 3)}[layout]
+    buf = _ddp_like([p for e in range(n) for p in (fc[0][e], fc[1][e])], gaps)  # expert e: fc1, fc2
+    rows = [_main_grad_rows(ps) if fused else None for ps in fc]
+    assert all((r is not None) == fused for r in rows)
+    for p in fc[0] + fc[1]:
+        p.register_post_accumulate_grad_hook(_ddp_hook)
+    coef = [torch.randn(n, *k, generator=g) for k in (k1, k2)]
+    for _ in range(2):  # two micro-batches
+        loss = sum((_stacked_view(s, ps, r) * c).sum() for s, ps, r, c in zip(stacks, fc, rows, coef))
+        loss.backward()
+        for p in fc[0] + fc[1]:
+            assert p.grad is None and p.grad_added_to_main_grad == fused
+    for ps, c in zip(fc, coef):
+        for e, p in enumerate(ps):
+            torch.testing.assert_close(p.main_grad, 2 * c[e], rtol=0, atol=1e-6)
+    # the gaps stayed zero: the sum of the buffer is the sum of the expert gradients
+    assert abs(buf.sum().item() - 2 * sum(c.sum().item() for c in coef)) < 1e-4
+
+
+_KERNEL_CHILD = """
+import sys, torch
+from megatron_rl.models.triton_accumulate import accumulate_rows
+E, N, K = 5, 7, 9  # N*K = 63: one partial block
+g = torch.Generator().manual_seed(0)
+worst = {}
+for dt in (torch.bfloat16, torch.float32):
+    buf = torch.full((E * N * K + 70,), 0.5)
+    offsets = torch.tensor([70 + 4 * N * K, 3 * N * K + 3, 2 * N * K, N * K, 0], dtype=torch.int64)
+    grad = torch.randn(E, N, K, generator=g).to(dt)
+    ref = buf.double().clone()
+    for e in range(E):
+        ref[offsets[e]:offsets[e] + N * K] += grad[e].double().flatten()
+    accumulate_rows(buf, offsets, grad)
+    worst[str(dt)] = (buf.double() - ref).abs().max().item()
+print(worst)
+"""
+
+
+@pytest.mark.slow
+def test_accumulate_kernel_under_the_triton_interpreter():
+    """The CUDA path of `_accumulate_main_grads` (models/triton_accumulate.py) run by Triton's
+    interpreter (the triton the Makefile keeps off sys.path): each row added at its offset (rows
+    reversed, one gap, a partial block), the rest of the buffer untouched, against float64."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    extras = Path(sys.prefix) / "sglang-cpu-extras"
+    assert (extras / "triton").is_dir(), f"no triton in {extras} (make setup installs it)"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(extras), str(repo), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _KERNEL_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    worst = eval(proc.stdout.strip().splitlines()[-1])
+    assert worst["torch.bfloat16"] == 0.0 and worst["torch.float32"] <= 1e-6, worst  # one fp32 rounding
