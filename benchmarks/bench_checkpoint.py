@@ -7,8 +7,12 @@ One process (world size 1, gloo), the learner of a tiny Qwen3 (`--model tiny`: 2
 rounds of: a train step, a save, three more train steps (an asynchronous save is finished at the
 first step boundary after its writer is done, as the loop does). Reported per mode (median over the
 rounds): the seconds the caller was blocked by the save (`blocked`: `save` plus the polls that
-finished it), the seconds until this rank's shards were on disk (`written`), until the checkpoint
-was complete (`total`), and a train step's time with no save around it.
+finished it), the forked writer's own seconds after `save` returned (`writer`: what the time limit
+reserves beside `blocked`, run/operations.py `save_reserve`), the seconds until the loop saw this
+rank's shards on disk (`written`), until the checkpoint was complete (`total`: for an asynchronous
+save a step boundary later), and a train step's time with no save around it. Then the 30B-A3B
+arithmetic: the checkpoint's size and write times, and the host memory an asynchronous save stages
+per node, with the save spread over the replicas (run/checkpoint.py, "Who writes what") and without.
 
     .venv/bin/python -W ignore benchmarks/bench_checkpoint.py --model small --reps 5
 """
@@ -31,11 +35,26 @@ MODELS = {"tiny": dict(num_layers=2), "small": dict(num_layers=8, hidden=512, he
 def arithmetic_30b() -> None:
     params, ranks, per_node = 30.53e9, 32, 8
     size = params * 14  # bf16 weights 2 + fp32 main weights 4 + Adam moments 2 x 4
-    per_rank = size / ranks  # the distributed optimizer: every rank writes its own 1/32
+    per_rank = size / ranks  # spread: every rank writes about 1/32 (its optimizer shard, a share of the bf16 weights)
     per_node_bytes = per_rank * per_node
     print(f"\n30B-A3B (configs/parallel/h100_moe_4node.yaml: {ranks} learner ranks, {per_node} per node):")
     print(f"  checkpoint {size / 1e9:.0f} GB = 30.53B params x 14 bytes; {per_rank / 1e9:.1f} GB per rank, "
           f"{per_node_bytes / 1e9:.0f} GB per node")
+    # Who stages what. Per rank at TP 2 / EP 8 (inside a node) / expert-DP 4 / DP 16: 0.78B dense +
+    # 3.62B expert parameters. The distributed optimizer's fp32 state (12 bytes a parameter) is each
+    # rank's own: dense over DP 16, experts over expert-DP 4. The bf16 weights are replicated: dense
+    # ones over DP 16, expert ones over expert-DP 4 (one rank per node).
+    dense, expert, tp, ep, edp, dp = 0.78e9, 3.62e9, 2, 8, 4, 16
+    optim_node = (dense / dp + expert / edp) * 12 * per_node
+    bf16_experts, bf16_dense = expert * ep * 2, dense * tp * 2  # every expert / dense weight once
+    # Unspread: expert-DP rank 0 (node 0) holds the main replica of every expert weight, DP rank 0
+    # (ranks 0 and 1, node 0) of every dense one.
+    node0 = optim_node + bf16_experts + bf16_dense
+    spread = optim_node + (bf16_experts + bf16_dense) / (ranks / per_node)
+    print(f"  host memory an asynchronous save stages: unspread, node 0 {node0 / 1e9:.0f} GB (its optimizer "
+          f"shards {optim_node / 1e9:.0f} GB + every bf16 expert weight {bf16_experts / 1e9:.0f} GB + every dense "
+          f"one {bf16_dense / 1e9:.0f} GB) and {optim_node / 1e9:.0f} GB on the others; spread over the "
+          f"replicas, {spread / 1e9:.0f} GB on every node")
     for name, node_gbps in (("parallel file system, 5 GB/s per node", 5.0), ("2 GB/s per node", 2.0),
                             ("an NFS home shared by 4 nodes, 1 GB/s in all", 0.25)):
         print(f"  synchronous: every step with a save blocked {per_node_bytes / 1e9 / node_gbps:5.0f} s ({name})")
@@ -88,11 +107,12 @@ def main() -> None:
                 ckpt.poll()
             ckpt.wait()
             rows.append(dict(ckpt.last))
-        results[mode] = {k: statistics.median(row[k] for row in rows) for k in ("blocked_s", "written_s", "total_s")}
+        results[mode] = {k: statistics.median(row[k] for row in rows)
+                         for k in ("blocked_s", "writer_s", "written_s", "total_s")}
         results[mode]["step_s"] = statistics.median(steps)
         m = results[mode]
-        print(f"  {mode:5s}: blocked {m['blocked_s']:.3f} s, written {m['written_s']:.3f} s, complete "
-              f"{m['total_s']:.3f} s; a train step {m['step_s']:.3f} s")
+        print(f"  {mode:5s}: blocked {m['blocked_s']:.3f} s, writer {m['writer_s']:.3f} s, written "
+              f"{m['written_s']:.3f} s, complete {m['total_s']:.3f} s; a train step {m['step_s']:.3f} s")
     print(f"  blocked, async / sync: {results['async']['blocked_s'] / results['sync']['blocked_s']:.2f}")
     arithmetic_30b()
 

@@ -11,8 +11,30 @@ A checkpoint is a folder `<out_dir>/checkpoints/step_<N>` holding
 - other trained models of the run (the PPO critic) in a sub-folder each, `<name>/`, with their
   own model, optimizer and LR scheduler state.
 It is written to `step_<N>.tmp` and renamed only when every rank has finished; the file `latest`
-is then replaced atomically. A crash mid-write therefore leaves the previous checkpoint intact, and
-`latest_checkpoint` never returns a partial one. Older checkpoints beyond `keep` are removed.
+is then replaced atomically: written to `latest.tmp`, fsynced, renamed, and the folder fsynced after
+each rename (the checkpoint's and the marker's), so that a crash (of the node, not only of the
+process) leaves `latest` naming a complete checkpoint, never empty. A crash mid-write therefore leaves
+the previous checkpoint intact, and `latest_checkpoint` never returns a partial one. Older
+checkpoints beyond `keep` are removed; `.tmp` folders a crashed or killed job left behind (a 30B
+one is up to 427 GB) are removed when the next `Checkpointer` of the run starts (`remove_abandoned`).
+
+**Who writes what.** Dist-checkpointing writes each tensor once, from the rank holding its main
+replica, and that rank stages it in host memory for an asynchronous save. Megatron-core marks data-
+parallel rank 0's copy as the main replica (expert-data-parallel rank 0 for experts), so at 30B-A3B
+(TP 2, EP 8, expert-DP 4, the distributed optimizer: docs/slurm.md) node 0 alone would stage every
+bf16 expert weight, 58 GB on top of its own 92 GB of optimizer shards: 153 GB of host memory, where a
+spread save stages 107 GB on every node (`benchmarks/bench_checkpoint.py` prints the arithmetic).
+The save is spread instead (megatron-core's `FullyParallelSaveStrategyWrapper`, what Megatron-LM's
+`--ckpt-fully-parallel-save` does): the ranks exchange which shards each holds (metadata only, no
+tensor moves) and every replicated shard goes to the least loaded rank that holds a replica, by
+bytes, the same decision on every rank. The group is the data-parallel one, which holds every
+replica of a dense shard and, where `tp` divides `etp x ep` (configs/parallel/h100_moe_4node.yaml:
+TP 2, EP 8, expert TP 1), every replica of an expert one (the expert-data-parallel group lies
+inside it); where it does not (e.g. TP 2, EP 1, expert TP 1), the whole world, so that no replica
+is left out. The files are the same torch_dist checkpoint as before, and load at any layout.
+The load is not spread (megatron-core's `FullyParallelLoadStrategyWrapper`): it would read each shard
+once and broadcast it over the data-parallel group in CUDA buffers of every shard, which the CPU path
+has not and a 30B resume, once per job, does not need; each rank reads what it holds.
 
 `Checkpointer` writes them, synchronously or (`trainer.async_save`) while training goes on, and ends
 every rank within seconds, naming the rank, when a save fails on any one of them (see there).
@@ -20,6 +42,7 @@ every rank within seconds, naming the rank, when a save fails on any one of them
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -204,13 +227,58 @@ class _Save:
     requests: list  # megatron-core AsyncRequests: the policy's, then each other model's
     started: float  # time.monotonic() when the save was asked for
     blocked_s: float  # seconds the caller was held up so far
+    waited_s: float = 0.0  # of blocked_s: the wait for the previous save to finish
     process: Optional[Any] = None  # the forked writer (asynchronous saves)
-    written_s: Optional[float] = None  # seconds from the start until this rank's shards were on disk
+    forked_at: float = 0.0  # time.monotonic() when the writer was forked
+    done_at: Optional[Any] = None  # the writer's time.monotonic() when its shards were on disk (shared memory)
+    written_s: Optional[float] = None  # seconds from the start until this rank's shards were on disk (seen)
 
 
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def _fsync(path: Path) -> None:
+    """What was written to `path` (a file, or a folder's entries: a rename in it) is on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(folder, name)).st_size
+    return total
+
+
+def spread_group(ctx, experts: bool) -> Optional[dist.ProcessGroup]:
+    """Collective: the group a save is spread over (module docstring, "Who writes what"): the
+    data-parallel group when the model has no experts or it holds every expert-data-parallel peer of
+    every rank, else the whole world (decided alike on every rank); None for one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if not experts:
+        return ctx.dp_group
+    inside = set(dist.get_process_group_ranks(ctx.expert_dp_group)) <= set(dist.get_process_group_ranks(ctx.dp_group))
+    outside = torch.tensor([0 if inside else 1], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(outside, op=dist.ReduceOp.MAX)
+    return dist.group.WORLD if int(outside[0]) else ctx.dp_group
+
+
+def _save_strategy(group: Optional[dist.ProcessGroup]):
+    """torch_dist (megatron-core's default), spread over `group` when there is one."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    # Not cached (do_cache_distribution): a shard missing from a cached plan would be written by nobody.
+    return strategy if group is None else FullyParallelSaveStrategyWrapper(strategy, group)
 
 
 def _write_shards(requests: list) -> None:
@@ -222,9 +290,10 @@ def _write_shards(requests: list) -> None:
             req.async_fn(*req.async_fn_args, **req.async_fn_kwargs)
 
 
-def _forked_writer(requests: list) -> None:
+def _forked_writer(requests: list, done_at) -> None:
     gc.disable()  # a collection in the fork could free the parent's CUDA tensors (megatron-core does the same)
     _write_shards(requests)
+    done_at.value = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the parent's
 
 
 def _staged(req):
@@ -279,15 +348,21 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str | Path, keep: int = 2, async_save: bool = False,
-                 device: torch.device | str = "cpu", grace_s: float = 5.0, name: str = "checkpoint"):
+                 device: torch.device | str = "cpu", grace_s: float = 5.0, name: str = "checkpoint",
+                 log: Callable[[str], None] = print):
         self.root = checkpoints_root(out_dir)
         self.keep, self.async_save, self.device = keep, bool(async_save), torch.device(device)
         self.grace_s = float(grace_s)
+        self.log = log
         distributed = dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world = dist.get_world_size() if distributed else 1
         self.pending: Optional[_Save] = None
-        self.last: dict[str, float] = {}  # the last finished save: blocked_s, written_s, total_s
+        # The last finished save (seconds): blocked_s (the caller held up, waited_s of it for the save
+        # before), writer_s (the forked writer after `save` returned, the slowest rank's; 0 for a
+        # synchronous save, whose write is in blocked_s), written_s, total_s (until published).
+        self.last: dict[str, float] = {}
+        self.recent: collections.deque[dict[str, float]] = collections.deque(maxlen=3)  # the last saves' `last`
         self.blocked_total_s = 0.0  # seconds the callers were held up by saves, all saves together
         self._failed_key = f"{name}/failed"  # "<rank>\n<error>" of the first rank to post one
         self._store = self._watch_store = None  # connections of their own: this thread's, the watcher's
@@ -297,6 +372,29 @@ class Checkpointer:
             self._store = _checked_store("Checkpointer", None)
             self._watch_store = _checked_store("Checkpointer", None)
         self._watching: Optional[threading.Event] = None
+        if self.rank == 0:
+            self.remove_abandoned()
+
+    def remove_abandoned(self) -> list[tuple[str, int]]:
+        """Rank 0, before this Checkpointer's first save: remove the `step_*.tmp` folders and
+        `latest.tmp` that a job which crashed or was killed mid-save left (a 30B one is up to 427 GB,
+        and would stay until that very step is saved again), saying what and how big. Nothing writes
+        into them: this job's writers are forked by `save` only, and an earlier job's ended with it
+        (a requeued job starts after the old one's processes are gone). Returns [(name, bytes)]."""
+        removed = []
+        for path in sorted(self.root.glob(f"{PREFIX}*.tmp")) + [self.root / "latest.tmp"]:
+            if not os.path.lexists(path):
+                continue
+            size = _tree_bytes(path) if path.is_dir() else os.lstat(path).st_size
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append((path.name, size))
+        if removed:
+            self.log(f"[megatron-rl] removed what an unfinished save left in {self.root}: "
+                     + ", ".join(f"{name} ({_size(size)})" for name, size in removed))
+        return removed
 
     # -- the save --------------------------------------------------------------------------------
     def save(self, learner, step: int, trainer_state: dict[str, Any], others: Optional[dict[str, Any]] = None,
@@ -315,6 +413,8 @@ class Checkpointer:
         self._watch(step)
         requests = []
         try:
+            experts = bool(getattr(learner.config, "num_moe_experts", None))
+            strategy = _save_strategy(spread_group(learner.ctx, experts))  # collective: one small all-reduce
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -325,7 +425,8 @@ class Checkpointer:
                 state = _sharded_state(learner, is_loading=False)
                 state["scheduler"] = learner.scheduler.state_dict()
                 state["trainer"] = dict(trainer_state)
-                requests.append(dist_checkpointing.save(state, str(tmp), async_sharded_save=True))
+                requests.append(dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy,
+                                                        async_sharded_save=True))
                 for name, other in (others or {}).items():
                     # Made after the policy's save: dist_checkpointing warns about a non-empty folder.
                     if self.rank == 0:
@@ -333,16 +434,22 @@ class Checkpointer:
                     _barrier()
                     state = _sharded_state(other, is_loading=False)
                     state["scheduler"] = other.scheduler.state_dict()
-                    requests.append(dist_checkpointing.save(state, str(tmp / name), async_sharded_save=True))
+                    requests.append(dist_checkpointing.save(state, str(tmp / name), sharded_strategy=strategy,
+                                                            async_sharded_save=True))
                 (tmp / "rng").mkdir(exist_ok=True)
-                torch.save(_rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+                rng = tmp / "rng" / f"rank{self.rank}.pt"
+                torch.save(_rng_state(), rng)
+                _fsync(rng)
                 if extra is not None:
                     extra(tmp)
                 requests = [_staged(r) for r in requests]
-                job = _Save(step, tmp, final, requests, start - waited, waited)
+                job = _Save(step, tmp, final, requests, start - waited, waited, waited_s=waited)
                 if self.async_save:
-                    ctx = mp.get_context("fork")
-                    job.process = ctx.Process(target=_forked_writer, args=(requests,), name=f"checkpoint-{step}")
+                    fork = mp.get_context("fork")
+                    job.done_at = fork.Value("d", 0.0, lock=False)
+                    job.process = fork.Process(target=_forked_writer, args=(requests, job.done_at),
+                                               name=f"checkpoint-{step}")
+                    job.forked_at = time.monotonic()
                     job.process.start()
                 else:
                     _write_shards(requests)
@@ -374,10 +481,13 @@ class Checkpointer:
                 failed = "; ".join(p for p in (_write_result(r, job.process) for r in job.requests) if p) or None
                 if failed:
                     self._post_failure(failed)  # before the all-reduce: the others read it after
-            if self.world > 1:  # every rank decides alike: all written, or someone failed
-                flags = torch.tensor([0 if done else 1, 1 if failed else 0], dtype=torch.int32, device=self.device)
+            # The writer's own time from the fork until its shards were on disk (not when a poll saw it)
+            writer_s = max(0.0, job.done_at.value - job.forked_at) if done and job.done_at is not None else 0.0
+            if self.world > 1:  # every rank decides alike: all written, or someone failed; the slowest writer
+                flags = torch.tensor([0 if done else 1, 1 if failed else 0, round(writer_s * 1000)], dtype=torch.int64,
+                                     device=self.device)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-                done, someone_failed = int(flags[0]) == 0, int(flags[1]) == 1
+                done, someone_failed, writer_s = int(flags[0]) == 0, int(flags[1]) == 1, int(flags[2]) / 1000
                 if someone_failed and not failed:
                     self._abandon()
                     rank, message = self._read_failure(self._store) or ("another rank", "")
@@ -398,8 +508,9 @@ class Checkpointer:
             self._fail(job.step, e)
         job.blocked_s += time.monotonic() - start
         self.blocked_total_s += time.monotonic() - start
-        self.last = {"blocked_s": job.blocked_s, "written_s": job.written_s,
-                     "total_s": time.monotonic() - job.started}
+        self.last = {"blocked_s": job.blocked_s, "waited_s": job.waited_s, "writer_s": writer_s,
+                     "written_s": job.written_s, "total_s": time.monotonic() - job.started}
+        self.recent.append(self.last)
         self.pending = None
         self._unwatch()
         return True
@@ -413,10 +524,19 @@ class Checkpointer:
     def _publish(self, job: _Save) -> None:
         if self.rank == 0:
             shutil.rmtree(job.final, ignore_errors=True)
+            for folder in [job.tmp] + [p for p in job.tmp.iterdir() if p.is_dir()]:
+                for name in ("metadata.json", "common.pt"):  # megatron-core's, written here (rank 0)
+                    if (folder / name).is_file():
+                        _fsync(folder / name)
             os.replace(job.tmp, job.final)
+            _fsync(self.root)  # the rename is on disk before `latest` names the folder
             marker = self.root / "latest.tmp"
-            marker.write_text(job.final.name)
+            with open(marker, "w") as f:
+                f.write(job.final.name)
+                f.flush()
+                os.fsync(f.fileno())  # its content before the rename: never an empty `latest`
             os.replace(marker, self.root / "latest")
+            _fsync(self.root)
             done = sorted(p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and not p.name.endswith(".tmp"))
             for old in done[:-self.keep] if self.keep > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)

@@ -10,13 +10,22 @@
   shares too) and stops;
 - **the time limit**: the job's end is known (the Slurm job's end time, re-read as an administrator
   may change it, or `trainer.time_limit` seconds after the start). The loop measures its own steps
-  (the longest of the last five, without the time it was held up by saves) and its saves (from the
-  request until the checkpoint is complete: the last save has to be complete before the job ends).
-  When the next step plus a save plus `trainer.time_limit_margin` would run past the end, it
-  checkpoints now and stops with `requeue` set: rank 0 writes `<out_dir>/requeue`, the CLI exits with
-  REQUEUE_EXIT (75, "try again"), and the sbatch requeues the job, which resumes from that checkpoint. A 30B step takes tens of
-  minutes, so waiting for Slurm's USR1 (300 s before the end) would lose the step in progress and
-  every step since the last periodic checkpoint;
+  (the longest of the last five, without the time it was held up by saves) and its saves, in two
+  parts (`save_reserve`): the part that holds the loop up (`blocked`: planning, staging to host
+  memory; the whole write for a synchronous save) and the forked writer's own time to get its shards
+  on disk (`writer`, the slowest rank's, timed by the writer itself), each the most of the last three
+  saves, plus a quarter of their sum as a safety margin (at most SAVE_SAFETY_MAX_S). The final save
+  has to be complete before the job ends, after waiting for a save still in flight (or a periodic
+  one asked for now, whose writer runs beside the next step). Not the time from the request until the loop
+  saw the checkpoint complete: an asynchronous save is seen complete at the next step boundary at
+  the earliest, so that reserved a whole step and stopped each 24-hour job about two 30B steps
+  early. When the next step plus that reserve plus `trainer.time_limit_margin` would run past the
+  end, it checkpoints now and stops with `requeue` set: rank 0 writes `<out_dir>/requeue`, the CLI
+  exits with REQUEUE_EXIT (75, "try again"), and the sbatch requeues the job, which resumes from that
+  checkpoint. A 30B step takes tens of minutes, so waiting for Slurm's USR1 (300 s before the end)
+  would lose the step in progress and every step since the last periodic checkpoint. Before the
+  job's first save there is no measurement: the reserve is 0 and `trainer.time_limit_margin` alone
+  covers the final save;
 - **periodic and final checkpoints** (`trainer.save_every`, the last step).
 The flags are max-reduced in one all-reduce, so every rank takes the same decision after the same
 step. Checkpoints are written by `Checkpointer` (run/checkpoint.py); with `trainer.async_save`
@@ -45,6 +54,49 @@ REQUEUE_EXIT = 75  # EX_TEMPFAIL: stopped before the time limit with a checkpoin
 # Written by rank 0 into the run folder beside that exit: srun's --kill-on-bad-exit turns the other
 # ranks' exit codes into "terminated" when one rank leaves first, so the sbatch reads this file instead.
 REQUEUE_MARKER = "requeue"
+SAVE_SAFETY = 0.25  # the reserve for a save: its measured parts plus this fraction of them ...
+SAVE_SAFETY_MAX_S = 300.0  # ... but never more than this many seconds on top
+
+
+@dataclasses.dataclass
+class SaveReserve:
+    """The seconds from a step boundary until the final checkpoint is complete (`save_reserve`)."""
+
+    blocked_s: float  # a save's blocking part, measured (the most of the recent saves)
+    writer_s: float  # its forked writer's time after that, measured (0 for synchronous saves)
+    in_flight_s: float  # waiting for the save before it (one in flight, or one asked for now)
+    safety_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.blocked_s + self.writer_s + self.in_flight_s + self.safety_s
+
+    def describe(self) -> str:
+        if not self.blocked_s and not self.writer_s:
+            return "no save measured yet"
+        parts = f"blocking {self.blocked_s:.0f}s + writer {self.writer_s:.0f}s"
+        if self.in_flight_s:
+            parts += f" + {self.in_flight_s:.0f}s for the save in flight"
+        return f"{parts} + {self.safety_s:.0f}s safety"
+
+
+def save_reserve(recent: list[dict], step_s: float, saving_now: bool,
+                 in_flight_for_s: Optional[float]) -> SaveReserve:
+    """What to keep free after the next step (of up to `step_s`) for the final save, from the
+    measured saves `recent` (Checkpointer.recent: blocked_s, waited_s, writer_s). `saving_now`: a
+    periodic save starts at this boundary (its blocking part comes before the next step, its writer
+    runs beside it); `in_flight_for_s`: an asynchronous save in flight for that many seconds (None:
+    none). The final save waits for either's writer to finish, then blocks and writes."""
+    blocked = max((r.get("blocked_s", 0.0) - r.get("waited_s", 0.0) for r in recent), default=0.0)
+    writer = max((r.get("writer_s", 0.0) for r in recent), default=0.0)
+    if saving_now:
+        in_flight = blocked + max(0.0, writer - step_s)
+    elif in_flight_for_s is not None:
+        in_flight = max(0.0, writer - in_flight_for_s - step_s)
+    else:
+        in_flight = 0.0
+    safety = min(SAVE_SAFETY * (blocked + writer + in_flight), SAVE_SAFETY_MAX_S)
+    return SaveReserve(max(0.0, blocked), writer, in_flight, safety)
 
 
 @dataclasses.dataclass
@@ -131,7 +183,7 @@ class Operations:
         self.ctx, self.log = ctx, log
         self.stop = StopRequest(ctx.device, announce=ctx.rank == 0)
         self.checkpointer = Checkpointer(out_dir, keep=t.keep_checkpoints, async_save=t.async_save,
-                                         device=ctx.device)
+                                         device=ctx.device, log=log)
         self.margin = float(t.time_limit_margin)
         self.clock = clock if clock is not None else JobClock(t.time_limit, log=log) if ctx.rank == 0 else None
         self._steps: collections.deque[float] = collections.deque(maxlen=5)  # recent step seconds, saves excluded
@@ -143,23 +195,22 @@ class Operations:
             self._store = dist.distributed_c10d._get_default_store().clone()
         self._posted, self._remote, self._checked = False, False, -float("inf")
 
-    def _estimate_save_s(self) -> float:
-        last = self.checkpointer.last
-        return float(last.get("total_s", 0.0))
-
-    def _out_of_time(self) -> bool:
+    def _out_of_time(self, saving_now: bool) -> bool:
         if self.clock is None:
             return False
         end = self.clock.end()
         if end is None or not self._steps:
             return False
         left = end - time.time()
-        step_s, save_s = max(self._steps), self._estimate_save_s()
-        if left >= step_s + save_s + self.margin:
+        step_s = max(self._steps)
+        job = self.checkpointer.pending
+        in_flight = time.monotonic() - job.forked_at if job is not None and job.process is not None else None
+        reserve = save_reserve(list(self.checkpointer.recent), step_s, saving_now, in_flight)
+        if left >= step_s + reserve.total_s + self.margin:
             return False
         self.why = (f"{left:.0f}s left before {datetime.datetime.fromtimestamp(end):%Y-%m-%d %H:%M:%S} "
-                    f"({self.clock.source}); a step takes up to {step_s:.0f}s, a save {save_s:.0f}s, and "
-                    f"trainer.time_limit_margin={self.margin:g}s stays free")
+                    f"({self.clock.source}); a step takes up to {step_s:.0f}s, a save {reserve.total_s:.0f}s "
+                    f"({reserve.describe()}), and trainer.time_limit_margin={self.margin:g}s stays free")
         return True
 
     def between_steps(self, step: int, last_step: int, save_every: int) -> Decision:
@@ -167,14 +218,15 @@ class Operations:
         now = time.monotonic()
         self._steps.append(max(0.0, now - self._mark - (self.checkpointer.blocked_total_s - self._blocked_at_mark)))
         self.checkpointer.poll()  # finish an asynchronous save whose writers are all done
-        out_of_time = step < last_step and self._out_of_time()  # the last step needs no requeue
+        periodic = bool(save_every and step % save_every == 0)
+        out_of_time = step < last_step and self._out_of_time(periodic)  # the last step needs no requeue
         flags = torch.tensor([self.stop.signum, int(out_of_time)], dtype=torch.int64, device=self.ctx.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signum, out_of_time = int(flags[0]), bool(flags[1])
         self.stop.signum = signum
         stop = self.stop.name() if signum else "time limit" if out_of_time else ""
-        save = bool(stop) or step == last_step or bool(save_every and step % save_every == 0)
+        save = bool(stop) or step == last_step or periodic
         return Decision(save=save, stop=stop, requeue=out_of_time and not signum)
 
     def interrupt(self) -> bool:

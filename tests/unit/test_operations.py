@@ -1,9 +1,9 @@
 """The loop's operations (run/operations.py): the job's end, and the decision between two steps.
 
 Independent reference: the arithmetic written out here (end − now against the longest recent step
-+ the last save + the margin); the Slurm end time as squeue prints it, parsed by the standard
-library. The Slurm job itself (a time limit lowered mid-run, the requeue, the resume with no step
-lost or repeated) is tests/slurm/test_sbatch.py's.
++ the measured parts of the recent saves, with their safety margin, + the margin); the Slurm end
+time as squeue prints it, parsed by the standard library. The Slurm job itself (a time limit
+lowered mid-run, the requeue, the resume with no step lost or repeated) is tests/slurm/test_sbatch.py's.
 """
 
 from __future__ import annotations
@@ -77,12 +77,73 @@ def test_between_steps_stops_before_a_step_that_would_not_fit(tmp_path):
         ops._steps.extend([30.0, 50.0])  # the longest recent step counts
         d = ops.between_steps(step=3, last_step=10, save_every=0)
         assert (d.save, d.stop, d.requeue) == (False, "", False)  # 100 s left >= 50 + 0 + 10
-        ops.checkpointer.last = {"total_s": 45.0}  # a save takes 45 s: 50 + 45 + 10 > 100
+        # a synchronous save blocked 36 s: 36 + 9 safety; 50 + 45 + 10 > 100
+        ops.checkpointer.recent.append({"blocked_s": 36.0, "waited_s": 0.0, "writer_s": 0.0, "total_s": 36.0})
         d = ops.between_steps(step=4, last_step=10, save_every=0)
         assert (d.save, d.stop, d.requeue) == (True, "time limit", True)
-        assert "a step takes up to 50s, a save 45s" in ops.why and "time_limit_margin=10s" in ops.why
+        assert "a step takes up to 50s, a save 45s (blocking 36s + writer 0s + 9s safety)" in ops.why, ops.why
+        assert "time_limit_margin=10s" in ops.why
         d = ops.between_steps(step=10, last_step=10, save_every=0)  # the last step: done, not requeued
         assert (d.save, d.stop, d.requeue) == (True, "", False)
+    finally:
+        ops.finish()
+
+
+def test_save_reserve_from_measured_parts():
+    from megatron_rl.run.operations import SAVE_SAFETY_MAX_S, save_reserve
+
+    # An asynchronous save: 3 s blocking (2 s more waited for the save before: not its own), its
+    # writer 40 s after; the most of the recent saves counts, plus a quarter as safety.
+    recent = [{"blocked_s": 5.0, "waited_s": 2.0, "writer_s": 40.0},
+              {"blocked_s": 2.0, "waited_s": 0.0, "writer_s": 30.0}]
+    r = save_reserve(recent, step_s=600.0, saving_now=False, in_flight_for_s=None)
+    assert (r.blocked_s, r.writer_s, r.in_flight_s, r.safety_s) == (3.0, 40.0, 0.0, 0.25 * 43.0)
+    assert r.total_s == 43.0 * 1.25
+    # A periodic save asked for now: its blocking part comes before the next step, its writer
+    # (40 s) runs beside it (600 s); one whose writer outlasts the step is waited for.
+    assert save_reserve(recent, 600.0, True, None).in_flight_s == 3.0
+    assert save_reserve(recent, 30.0, True, None).in_flight_s == 3.0 + 10.0
+    # A save in flight for 10 s: its writer needs 30 s more, less the next step's 25 s.
+    assert save_reserve(recent, 25.0, False, 10.0).in_flight_s == 5.0
+    assert save_reserve(recent, 600.0, False, 10.0).in_flight_s == 0.0
+    # The safety margin is bounded; nothing measured yet: nothing reserved (the margin covers it).
+    assert save_reserve([{"blocked_s": 4000.0, "writer_s": 0.0}], 10.0, False, None).safety_s == SAVE_SAFETY_MAX_S
+    none = save_reserve([], 600.0, True, None)
+    assert none.total_s == 0.0 and none.describe() == "no save measured yet"
+
+
+def test_an_asynchronous_save_does_not_reserve_a_whole_step(tmp_path):
+    """A 600 s step, an asynchronous save of 5 s blocking + 40 s writing, seen complete only at the
+    next boundary (total 650 s). 700 s left: the next step and the final save fit (600 + 56 + 10);
+    the old estimate (the request-to-complete 650 s) stopped here, a step early."""
+    import time
+
+    ops = _ops(tmp_path, end=time.time() + 700, margin=10)
+    try:
+        ops._steps.extend([600.0])
+        ops.checkpointer.recent.append({"blocked_s": 5.0, "waited_s": 0.0, "writer_s": 40.0, "written_s": 600.0,
+                                        "total_s": 650.0})
+        d = ops.between_steps(step=3, last_step=10, save_every=0)
+        assert (d.save, d.stop) == (False, "")
+    finally:
+        ops.finish()
+
+
+def test_a_periodic_save_now_is_waited_for_before_the_final_one(tmp_path):
+    """Blocking 30 s, writer 200 s, a 100 s step, 500 s left. Without a save at this boundary the
+    next step and the final save fit (100 + 230 + 57.5 + 10); with a periodic one (save_every=4)
+    the final save first waits for its writer (30 s before the step, 100 s after it): 100 + 360 + 90
+    + 10 > 500, so the run stops at step 4, saving once."""
+    import time
+
+    ops = _ops(tmp_path, end=time.time() + 500, margin=10)
+    try:
+        ops._steps.extend([100.0])
+        ops.checkpointer.recent.append({"blocked_s": 30.0, "waited_s": 0.0, "writer_s": 200.0})
+        assert ops.between_steps(step=3, last_step=10, save_every=4).stop == ""
+        d = ops.between_steps(step=4, last_step=10, save_every=4)
+        assert (d.save, d.stop, d.requeue) == (True, "time limit", True)
+        assert "+ 130s for the save in flight" in ops.why, ops.why
     finally:
         ops.finish()
 
