@@ -1,31 +1,40 @@
-"""The rollout fleet at the paper's shapes: how the producers' requests meet the servers.
+"""The rollout fleet at the paper's shapes: how the producers' requests meet the servers' KV pools.
 
     .venv/bin/python benchmarks/bench_fleet.py [--shape 30b|8b|both] [--rate TOK_PER_S] [--quick]
 
 The REAL `RolloutClient`s (one per producer, each on its own thread and event loop, as the
-trainer's producers) against stand-in SGLang servers in a process of their own. A stand-in decodes
-`slots` sequences at once, each at a fixed `rate` tokens/s, and queues the rest in arrival order
-(SGLang's waiting queue); it answers the client's /v1/loads probes (the stall watchdog) at once. A
-response's length is drawn per (producer, prompt, sample), lognormal with median max_new_tokens/4
-and sigma 0.84, cut at max_new_tokens (bench_async.py's histogram), the same in every design; the
-body carries one token per `TOKEN_SCALE` decoded tokens, so the client parses real SGLang-shaped
-answers without 16k-token bodies.
+trainer's producers) against stand-in SGLang servers in a process of their own. A stand-in has a
+KV pool of `pool` tokens and admits as SGLang 0.5.23 does (`Server`): a request waits in its queue
+until the running requests' tokens plus what each may still decode, min(max_new - decoded, 4096) x
+new_token_ratio (0.7 falling to 0.098 over 600 decode steps, reset when idle), and its own fit the
+pool; at most max_running_requests run; when the running requests outgrow the pool the newest are
+retracted to the queue. Each running sequence decodes `rate` tokens/s; it answers the client's
+/v1/loads probes at once. A response's length is drawn per (producer, prompt, step, sample),
+lognormal with median max_new_tokens/4 and sigma 0.84, cut at max_new_tokens (bench_async.py's
+histogram), the same in every design; the body carries one token per `TOKEN_SCALE` decoded
+tokens, so the client parses real SGLang-shaped answers without 16k-token bodies.
 
-Two designs, the same requests:
-- `per-producer`: each client its own slots, 64 per server (the trainer before rollout/admission.py):
-  16 producers put 1,024 requests on a server that runs 128, the rest waiting in its queue;
-- `fleet`: one FleetBudget of `slots` per server for all clients, counted in a real c10d TCPStore
-  (rollout/admission.py): requests wait in their producer for the next free slot anywhere.
-Rounds:
-- `train`: every producer generates its share of one step (prompts x samples / producers) at once;
-- `eval`: rank 0's evaluation (60 x 32 samples) alone on every server (the last step's);
-- `train + eval beside`: the step on all servers but one, the evaluation on that one
-  (eval.servers=1), started together: training does not wait for it.
-Reported per round: wall time, requests and decoded tokens per server (max/min over the servers;
-tokens also depend on which server drew the long samples of the last wave), slot use (decoding
-slot-seconds over slots x wall), the spread of the producers' finish times, retries and servers
-marked down (all healthy here: any is a false alarm). Times are scaled: `rate` tokens/s per
-sequence stands for SGLang's tens; ratios between designs are what carries over.
+Designs, the same requests:
+- `per-producer`: each client its own 64 slots per server (the trainer before rollout/admission.py):
+  16 producers put 1,024 requests on a server, SGLang's own admission decides;
+- `fleet, first estimate`: one FleetBudget for all clients, counted in a real c10d TCPStore, of
+  KV pool / (0.7 x max_new_tokens) slots per server for the whole run (the rule before issue 41);
+- `fleet, following`: the same budget with each server's KV pool (rollout/admission.py): its first
+  step at the first estimate, the next at the slots the first step's lengths give.
+Rounds: a step is every producer generating its share (prompts x samples / producers) at once.
+`eval beside on 1 of N`: the step on all servers but one while the evaluation (60 x 32 samples)
+runs on that one (eval.servers=1), started together. Two servers (one rollout node of TP-4 30B
+servers), half the prompts: the step alone; beside an evaluation that holds one server; beside
+one that takes EVAL_SHARE of every server's KV pool (a design that needs both to hold the same
+weights: rollout/evaluation.py).
+Reported per round: wall time, slots per server, KV use (token-seconds over pool x wall, the whole
+round) and KV full (the same while requests waited to be admitted anywhere, past the first median
+response time, in which any rule's cache fills from empty at decode speed), decoded tokens per
+server (max/min), the most requests running and queued in one server, retractions, the clients'
+retries and servers marked down (all healthy here: any is a false alarm). Times are scaled: `rate`
+tokens/s per sequence stands for SGLang's tens; ratios between designs are what carries over, on
+a machine whose cores keep up with the clients (on a loaded one, slots wait for the client to
+refill them and every figure falls).
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +57,15 @@ sys.path.insert(0, str(REPO))
 
 TOKEN_SCALE = 64  # decoded tokens per token in a response body
 PER_PRODUCER_SLOTS = 64  # the client's own per-server cap before the fleet budget (its old default)
-SHAPES = {  # producers, servers, slots per server, prompts, samples, max_new_tokens, eval prompts x k
-    "30b": dict(producers=16, servers=4, slots=128, prompts=256, samples=16, max_new=16384, eval=(60, 32)),
-    "8b": dict(producers=8, servers=8, slots=128, prompts=256, samples=16, max_new=8192, eval=(60, 32)),
+EVAL_SHARE = 0.2  # of every server's KV pool, for an evaluation beside training that shares servers
+# producers, servers, KV pool tokens and max_running_requests per server, prompt tokens, prompts,
+# samples, max_new_tokens, eval prompts x k. Pools: 30B-A3B on a TP-4 server (~1.8-2.1 M tokens,
+# issue 41), 8B on one GPU (~50 GB of KV at 144 KiB per token).
+SHAPES = {
+    "30b": dict(producers=16, servers=4, pool=2_000_000, max_running=1024, prompt=512, prompts=256, samples=16,
+                max_new=16384, eval=(60, 32)),
+    "8b": dict(producers=8, servers=8, pool=350_000, max_running=512, prompt=512, prompts=256, samples=16,
+               max_new=8192, eval=(60, 32)),
 }
 
 
@@ -59,36 +75,110 @@ def length(max_new: int, producer: int, prompt: int, sample: int) -> int:
 
 
 # ============================================================================ stand-in servers
-def serve(n: int, slots: int, rate: float, max_new: int) -> None:
+CLIP_MAX_NEW = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION: the most of max_new_tokens SGLang reserves for
+INIT_RATIO, MIN_RATIO, DECAY_STEPS = 0.7, 0.7 * 0.14, 600  # SGLang's new_token_ratio: start, floor, steps
+TICK_S = 0.05  # the stand-in's scheduler steps this often
+
+
+class Req:
+    __slots__ = ("length", "done", "future", "since")
+
+    def __init__(self, length: int, future):
+        self.length, self.done, self.future, self.since = length, 0.0, future, 0.0
+
+
+def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new: int) -> None:
     """n stand-in servers in this process; prints their ports as one JSON line, then serves until
-    killed. GET /stats: what each decoded."""
+    killed. GET /stats: what each decoded; POST /reset: a new round."""
     import orjson
     from aiohttp import web
 
     class Server:
+        """SGLang's admission over a KV pool of `pool` tokens (schedule_policy.py, sglang 0.5.23):
+        a waiting request is admitted, in arrival order, while the running requests' tokens plus
+        what each may still decode, min(max_new - decoded, 4096) x new_token_ratio, and its own
+        fit the pool; the ratio falls from 0.7 to 0.098 over 600 decode steps (a step per decoded
+        token here) and is reset when the server idles. When the running requests' tokens outgrow
+        the pool the newest are retracted to the queue's front (their decoded tokens kept, as
+        SGLang re-prefills them) and the ratio is raised as SGLang does."""
+
         def __init__(self):
-            self.sem = asyncio.Semaphore(slots)
-            self.tokens = self.requests = self.running = self.max_running = self.waiting = self.max_waiting = 0
+            self.waiting: deque[Req] = deque()
+            self.running: list[Req] = []
+            self.ratio = INIT_RATIO
+            self.reserved = 0.0
+            self.tokens = self.requests = self.max_running = self.max_waiting = self.retracted = 0
             self.busy = 0.0  # slot-seconds decoding
+            self.kv_ts = 0.0  # KV token-seconds in use
+            self.round_start, self.kv_at_start = time.monotonic(), 0.0
+            self.kv_sat = self.sat_s = 0.0  # KV token-seconds and seconds while work waits
+
+        def used(self) -> float:
+            return sum(prompt + r.done for r in self.running)
+
+        def reserve(self, r: Req) -> float:
+            return prompt + r.done + min(max_new - r.done, CLIP_MAX_NEW) * self.ratio
+
+        def admit(self) -> None:
+            """Between two steps (and as a request arrives): `reserved` is the running requests'
+            as of the last step, plus what was admitted since."""
+            while self.waiting and len(self.running) < max_running:
+                r = self.waiting[0]
+                need = self.reserve(r)
+                if self.reserved + need > pool:
+                    break
+                self.reserved += need
+                self.waiting.popleft()
+                self.running.append(r)
+            self.max_running = max(self.max_running, len(self.running))
+            self.max_waiting = max(self.max_waiting, len(self.waiting))
+
+        async def schedule(self) -> None:
+            last = time.monotonic()
+            while True:
+                await asyncio.sleep(TICK_S)
+                now = time.monotonic()
+                dt, last = now - last, now
+                step = rate * dt
+                used = self.used()
+                self.kv_ts += used * dt
+                # Requests wait (in a producer or this queue), past the cache's first filling.
+                if (ROUND["arrived"] < ROUND["total"] or self.waiting) and now - self.round_start >= ramp_s:
+                    self.kv_sat += used * dt
+                    self.sat_s += dt
+                self.busy += len(self.running) * dt
+                for r in self.running:
+                    r.done = min(r.length, r.done + step)
+                    if r.done >= r.length and not r.future.done():
+                        r.future.set_result(None)
+                self.running = [r for r in self.running if r.done < r.length]
+                if self.running:
+                    self.ratio = max(MIN_RATIO, self.ratio - (INIT_RATIO - MIN_RATIO) / DECAY_STEPS * step)
+                used = self.used()
+                while used > pool and len(self.running) > 1:  # retract_decode
+                    r = self.running.pop()
+                    used -= prompt + r.done
+                    self.waiting.appendleft(r)
+                    self.retracted += 1
+                    self.ratio = min(1.0, (sum(x.done for x in self.running) + 20 * len(self.running))
+                                     / (max_new * len(self.running) + 1))
+                if not self.running and not self.waiting:
+                    self.ratio = INIT_RATIO  # idle: SGLang resets the ratio
+                self.reserved = sum(map(self.reserve, self.running))
+                self.admit()
 
         async def generate(self, request):
             req = await request.json()
             ids = req["input_ids"]
             j = int(req["rid"].rsplit("-", 3)[2])
-            L = length(max_new, ids[0], ids[1], j)
-            self.waiting += 1
-            self.max_waiting = max(self.max_waiting, self.waiting)
-            async with self.sem:
-                self.waiting -= 1
-                self.running += 1
-                self.max_running = max(self.max_running, self.running)
-                try:
-                    await asyncio.sleep(L / rate)
-                finally:
-                    self.running -= 1
+            L = length(max_new, ids[0], ids[1] + 100_000 * ids[2], j)
+            r = Req(L, asyncio.get_running_loop().create_future())
+            ROUND["arrived"] += 1
+            self.waiting.append(r)
+            self.admit()
+            await r.future
             self.tokens += L
             self.requests += 1
-            self.busy += L / rate
             T = max(1, -(-L // TOKEN_SCALE))
             finish = "length" if L >= max_new else "stop"
             meta = {"id": req["rid"], "finish_reason": {"type": finish, "length": T} if finish == "length" else {"type": finish},
@@ -99,14 +189,30 @@ def serve(n: int, slots: int, rate: float, max_new: int) -> None:
                                 content_type="application/json")
 
         async def loads(self, request):
-            return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": self.running}]})
+            return web.json_response({"loads": [{"dp_rank": 0, "num_running_reqs": len(self.running),
+                                                 "num_waiting_reqs": len(self.waiting)}]})
 
         async def ok(self, request):
             return web.json_response({})
 
+        def stats(self) -> dict:
+            return dict(tokens=self.tokens, requests=self.requests, busy=self.busy, max_running=self.max_running,
+                        max_waiting=self.max_waiting, retracted=self.retracted,
+                        kv_round=self.kv_ts - self.kv_at_start, kv_sat=self.kv_sat, sat_s=self.sat_s)
+
+        def reset(self) -> None:
+            self.max_running, self.max_waiting = len(self.running), len(self.waiting)
+            self.round_start, self.kv_at_start = time.monotonic(), self.kv_ts
+            self.kv_sat = self.sat_s = 0.0
+            self.retracted = 0
+
+    ROUND = dict(total=0, arrived=0)  # the round's requests, and those sent to any server so far
+    ramp_s = max_new / 4 / rate  # a median response: the time a cache takes to fill from empty
+
     async def main():
         servers, ports = [Server() for _ in range(n)], []
         for s in servers:
+            asyncio.get_running_loop().create_task(s.schedule())
             app = web.Application(client_max_size=1 << 24)
             app.router.add_post("/generate", s.generate)
             app.router.add_get("/v1/loads", s.loads)
@@ -114,14 +220,13 @@ def serve(n: int, slots: int, rate: float, max_new: int) -> None:
             app.router.add_post("/abort_request", s.ok)
 
             async def stats(request, servers=servers):
-                return web.json_response([dict(tokens=x.tokens, requests=x.requests, busy=x.busy,
-                                               max_running=x.max_running, max_waiting=x.max_waiting)
-                                          for x in servers])
+                return web.json_response([x.stats() for x in servers])
             app.router.add_get("/stats", stats)
 
-            async def reset(request, servers=servers):  # a new round: its own maxima
+            async def reset(request, servers=servers):  # a new round of `total` requests
+                ROUND.update(total=int(request.query.get("total", 0)), arrived=0)
                 for x in servers:
-                    x.max_running, x.max_waiting = x.running, x.waiting
+                    x.reset()
                 return web.json_response({})
             app.router.add_post("/reset", reset)
             runner = web.AppRunner(app, access_log=None)
@@ -136,18 +241,19 @@ def serve(n: int, slots: int, rate: float, max_new: int) -> None:
 
 
 class Fleet:
-    def __init__(self, n: int, slots: int, rate: float, max_new: int):
-        self.proc = subprocess.Popen([sys.executable, __file__, "serve", str(n), str(slots), str(rate), str(max_new)],
-                                     stdout=subprocess.PIPE, text=True)
+    def __init__(self, n: int, shape: dict, rate: float):
+        args = [n, shape["pool"], shape["max_running"], shape["prompt"], rate, shape["max_new"]]
+        self.proc = subprocess.Popen([sys.executable, __file__, "serve", *map(str, args)], stdout=subprocess.PIPE, text=True)
         self.urls = [f"http://127.0.0.1:{p}" for p in json.loads(self.proc.stdout.readline())]
 
-    def stats(self) -> list[dict]:
-        """What each server decoded so far; its maxima since the last call."""
+    def stats(self, total: int = 0) -> list[dict]:
+        """What each server decoded, its maxima and KV use in this round; starts the next, of `total`
+        requests."""
         import urllib.request
 
         with urllib.request.urlopen(self.urls[0] + "/stats") as r:
             out = json.loads(r.read())
-        urllib.request.urlopen(urllib.request.Request(self.urls[0] + "/reset", method="POST")).close()
+        urllib.request.urlopen(urllib.request.Request(self.urls[0] + f"/reset?total={total}", method="POST")).close()
         return out
 
     def close(self) -> None:
@@ -158,7 +264,9 @@ class Fleet:
 # ============================================================================ producers
 def produce(jobs: list[dict], shape: dict) -> list[dict]:
     """Run every job at once, each on its own thread, event loop and client; a job: urls, budget,
-    producer id, prompts, samples. Returns per job: finish time, retries, servers marked down."""
+    producer id, step, prompts, samples. A job's finished set of samples goes to its budget's
+    length statistics (as `Fleet.generate` does). Returns per job: finish time, retries, servers
+    marked down."""
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
 
     out: list[dict] = [{} for _ in jobs]
@@ -168,10 +276,14 @@ def produce(jobs: list[dict], shape: dict) -> list[dict]:
     def run(k: int, job: dict) -> None:
         async def go():
             async with RolloutClient(job["urls"], budget=job["budget"], backoff_initial=0.05) as client:
-                prompts = [[job["producer"], i, 1, 2, 3] for i in range(job["prompts"])]
+                prompts = [[job["producer"], i, job["step"], 2, 3] for i in range(job["prompts"])]
                 start.wait()
-                await client.generate(prompts, SamplingParams(max_new_tokens=shape["max_new"]), n=job["samples"])
+                groups = await client.generate(prompts, SamplingParams(max_new_tokens=shape["max_new"]),
+                                               n=job["samples"])
                 out[k] = dict(done=time.monotonic() - t0[0], retries=len(client.retry_events), down=len(client._down))
+            recs = [rec for g in groups for rec in g]
+            job["budget"].observe([shape["prompt"]] * len(recs),
+                                  [min(shape["max_new"], rec.num_response_tokens * TOKEN_SCALE) for rec in recs])
         try:
             asyncio.run(go())
         except BaseException as e:  # noqa: BLE001 - reported by the caller
@@ -190,98 +302,141 @@ def produce(jobs: list[dict], shape: dict) -> list[dict]:
     return out
 
 
-def budgets(design: str, shape: dict, store, name: str, count: int):
-    from megatron_rl.rollout.admission import FleetBudget
+def budgets(design: str, shape: dict, urls: list[str], store, name: str, count: int, share: float = 1.0):
+    """`count` clients' budgets: `per-producer` (each its own 64 slots per server), `fixed` (one
+    budget of SGLang's first estimate, today's rule before lengths are known), `follow` (one budget
+    whose slots follow the lengths seen; `share` of each server's KV pool)."""
+    from megatron_rl.rollout.admission import FleetBudget, ServerKV, derived_capacity
 
     if design == "per-producer":
         return [FleetBudget.local(PER_PRODUCER_SLOTS) for _ in range(count)]
-    shared = FleetBudget(store, f"fleet/{name}", shape["slots"])
+    info = {"max_total_num_tokens": int(shape["pool"] * share), "max_running_requests": shape["max_running"]}
+    first = derived_capacity(info, shape["max_new"])
+    kv = {u: ServerKV.from_info(info) for u in urls} if design == "follow" else None
+    shared = FleetBudget(store, f"fleet/{name}", first, kv=kv)
     return [shared.clone() for _ in range(count)]
 
 
-def round_stats(fleet: Fleet, before: list[dict], urls: list[str], wall: float, shape: dict, rate: float) -> dict:
+def round_stats(fleet: Fleet, urls: list[str], wall: float, shape: dict, done: list[dict]) -> dict:
+    """A round's figures over `urls` (the stats were reset as it started)."""
     after = fleet.stats()
-    idx = [fleet.urls.index(u) for u in urls]
-    tokens = [after[i]["tokens"] - before[i]["tokens"] for i in idx]
-    requests = [after[i]["requests"] - before[i]["requests"] for i in idx]
-    busy = sum(after[i]["busy"] - before[i]["busy"] for i in idx)
+    xs = [after[fleet.urls.index(u)] for u in urls]
+    tokens = [x["tokens"] for x in xs]
+    requests = [x["requests"] for x in xs]
+    sat_s = sum(x["sat_s"] for x in xs)
     return dict(wall=wall, tokens=tokens, load=max(tokens) / max(1, min(tokens)), requests=requests,
                 req_load=max(requests) / max(1, min(requests)),
-                slot_use=busy / (len(idx) * shape["slots"] * wall),
-                max_running=max(after[i]["max_running"] for i in idx),
-                max_waiting=max(after[i]["max_waiting"] for i in idx))
+                # KV in use over the round, and while requests waited to be admitted (what admission
+                # decides), past the first median response time (the cache fills at decode speed).
+                kv_use=sum(x["kv_round"] for x in xs) / (len(xs) * shape["pool"] * wall),
+                kv_fill=sum(x["kv_sat"] for x in xs) / (shape["pool"] * sat_s) if sat_s > 0 else 0.0,
+                max_running=max(x["max_running"] for x in xs), max_waiting=max(x["max_waiting"] for x in xs),
+                retracted=sum(x["retracted"] for x in xs),
+                retries=sum(d["retries"] for d in done), down=sum(d["down"] for d in done))
+
+
+def training(fleet: Fleet, urls: list[str], bs: list, shape: dict, step: int, prompts: int, extra=()) -> tuple:
+    """One step of every producer's share on `urls` (and `extra` jobs beside it, started together)."""
+    P = shape["producers"]
+    jobs = [dict(urls=urls, budget=b, producer=k, step=step, prompts=prompts // P, samples=shape["samples"])
+            for k, b in enumerate(bs)] + list(extra)
+    fleet.stats(sum(j["prompts"] * j["samples"] for j in jobs))  # a new round
+    done = produce(jobs, shape)
+    wall = max(d["done"] for d in done[:P])
+    return round_stats(fleet, urls, wall, shape, done), done[P:]
 
 
 def run_shape(name: str, shape: dict, rate: float) -> dict:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    fleet = Fleet(shape["servers"], shape["slots"], rate, shape["max_new"])
-    P, share = shape["producers"], shape["prompts"] // shape["producers"]
-    results = {}
+    fleet = Fleet(shape["servers"], shape, rate)
+    P, urls = shape["producers"], None
+    urls = fleet.urls
+    ep, ek = shape["eval"]
+    res = {}
     try:
-        for design in ("per-producer", "fleet"):
-            # train: every producer's share of one step, on every server
-            bs = budgets(design, shape, store, f"{design}-train", P)
-            before = fleet.stats()
-            done = produce([dict(urls=fleet.urls, budget=b, producer=k, prompts=share, samples=shape["samples"])
-                            for k, b in enumerate(bs)], shape)
-            wall = max(d["done"] for d in done)
-            train = round_stats(fleet, before, fleet.urls, wall, shape, rate)
-            train |= dict(first_done=min(d["done"] for d in done), retries=sum(d["retries"] for d in done),
-                          down=sum(d["down"] for d in done))
-            # eval: rank 0's evaluation alone on every server (its own budget)
-            ep, ek = shape["eval"]
-            (eb,) = budgets(design, shape, store, f"{design}-eval", 1)
-            before = fleet.stats()
-            done = produce([dict(urls=fleet.urls, budget=eb, producer=1000, prompts=ep, samples=ek)], shape)
-            ev = round_stats(fleet, before, fleet.urls, done[0]["done"], shape, rate)
-            ev |= dict(retries=done[0]["retries"], down=done[0]["down"])
-            results[design] = dict(train=train, eval=ev)
-        # train + eval beside (fleet design): eval.servers=1
-        bs = budgets("fleet", shape, store, "beside-train", P)
-        (eb,) = budgets("fleet", shape, store, "beside-eval", 1)
-        train_urls, eval_urls = fleet.urls[:-1], fleet.urls[-1:]
-        before = fleet.stats()
-        jobs = [dict(urls=train_urls, budget=b, producer=k, prompts=share, samples=shape["samples"])
-                for k, b in enumerate(bs)]
-        jobs.append(dict(urls=eval_urls, budget=eb, producer=1000, prompts=shape["eval"][0], samples=shape["eval"][1]))
-        done = produce(jobs, shape)
-        t_train = max(d["done"] for d in done[:-1])
-        beside = round_stats(fleet, before, train_urls, t_train, shape, rate)
-        beside |= dict(eval_wall=done[-1]["done"], retries=sum(d["retries"] for d in done),
-                       down=sum(d["down"] for d in done))
-        results["beside"] = beside
+        for design in ("per-producer", "fixed"):
+            res[design], _ = training(fleet, urls, budgets(design, shape, urls, store, design, P), shape, 1,
+                                      shape["prompts"])
+        # Following the lengths: the first step at the first estimate, the next at what it saw.
+        bs = budgets("follow", shape, urls, store, "follow", P)
+        res["follow first step"], _ = training(fleet, urls, bs, shape, 1, shape["prompts"])
+        res["follow"], _ = training(fleet, urls, bs, shape, 2, shape["prompts"])
+        res["follow"]["slots"] = bs[0].cap(urls[0])
+        res["fixed"]["slots"] = budgets("fixed", shape, urls, store, "x", 1)[0].cap(urls[0])
+        # An evaluation beside training on one whole server (eval.servers=1): training on the rest.
+        (eb,) = budgets("follow", shape, urls[-1:], store, "beside-eval", 1)
+        res["beside"], ev = training(fleet, urls[:-1], bs, shape, 3, shape["prompts"],
+                                     [dict(urls=urls[-1:], budget=eb, producer=1000, step=3, prompts=ep, samples=ek)])
+        res["beside"]["eval_wall"] = ev[0]["done"]
     finally:
         fleet.close()
-    return results
+    # Two servers (one rollout node of TP-4 servers at 30B), half the step's prompts: training
+    # alone; beside an evaluation that holds one whole server (eval.servers=1, today); beside one
+    # that takes EVAL_SHARE of every server's KV pool (training the rest).
+    two = Fleet(2, shape, rate)
+    half = shape["prompts"] // 2
+    try:
+        u2 = two.urls
+        bs = budgets("follow", shape, u2, store, "two", P)
+        training(two, u2, bs, shape, 1, half)  # lengths seen
+        res["two alone"], _ = training(two, u2, bs, shape, 2, half)
+        (eb,) = budgets("follow", shape, u2[-1:], store, "two-hold-eval", 1)
+        eb.observe(*_lengths(shape, 1, half))
+        res["two hold"], ev = training(two, u2[:-1], bs, shape, 3, half,
+                                       [dict(urls=u2[-1:], budget=eb, producer=1000, step=3, prompts=ep, samples=ek)])
+        res["two hold"]["eval_wall"] = ev[0]["done"]
+        train = budgets("follow", shape, u2, store, "two-share-train", P, share=1 - EVAL_SHARE)
+        (eb,) = budgets("follow", shape, u2, store, "two-share-eval", 1, share=EVAL_SHARE)
+        for b in (train[0], eb):
+            b.observe(*_lengths(shape, 1, half))
+        res["two share"], ev = training(two, u2, train, shape, 4, half,
+                                        [dict(urls=u2, budget=eb, producer=1000, step=4, prompts=ep, samples=ek)])
+        res["two share"]["eval_wall"] = ev[0]["done"]
+    finally:
+        two.close()
+    return res
+
+
+def _lengths(shape: dict, step: int, prompts: int) -> tuple[list[int], list[int]]:
+    """The prompt and response tokens of a step's samples (what the stand-ins drew for it): the
+    lengths an evaluation's budget has seen from an earlier evaluation of the same distribution."""
+    P = shape["producers"]
+    out = [length(shape["max_new"], k, i + 100_000 * step, j)
+           for k in range(P) for i in range(prompts // P) for j in range(shape["samples"])]
+    return [shape["prompt"]] * len(out), out
 
 
 def report(name: str, shape: dict, rate: float, res: dict) -> None:
-    print(f"\n== {name}: {shape['producers']} producers, {shape['servers']} servers x {shape['slots']} slots, "
-          f"{shape['prompts']} x {shape['samples']} samples up to {shape['max_new']} tokens, eval "
-          f"{shape['eval'][0]} x {shape['eval'][1]}; {rate:g} tokens/s per sequence")
-    print(f"{'round':<28} {'wall s':>7} {'requests max/min':>16} {'tokens max/min':>14} {'slot use':>8} "
-          f"{'max run':>7} {'max queued':>10} {'first done':>10} {'retries':>7} {'down':>4}")
-    for design in ("per-producer", "fleet"):
-        for kind in ("train", "eval"):
-            r = res[design][kind]
-            first = f"{r['first_done']:.1f}" if "first_done" in r else "-"
-            print(f"{design + ' ' + kind:<28} {r['wall']:>7.1f} {r['req_load']:>16.3f} {r['load']:>14.3f} {r['slot_use']:>8.2f} "
-                  f"{r['max_running']:>7} {r['max_waiting']:>10} {first:>10} {r['retries']:>7} {r['down']:>4}")
-    b = res["beside"]
-    print(f"{'fleet train + eval beside':<28} {b['wall']:>7.1f} {b['req_load']:>16.3f} {b['load']:>14.3f} {b['slot_use']:>8.2f} "
-          f"{b['max_running']:>7} {b['max_waiting']:>10} {'-':>10} {b['retries']:>7} {b['down']:>4}"
-          f"   (training on {shape['servers'] - 1} servers; the evaluation on 1 took {b['eval_wall']:.1f} s)")
-    f, p = res["fleet"]["train"], res["per-producer"]["train"]
-    print(f"fleet vs per-producer, one step: {p['wall'] / f['wall']:.2f}x faster; per-server tokens "
-          f"{f['tokens']} (fleet) vs {p['tokens']}")
+    print(f"\n== {name}: {shape['producers']} producers, {shape['servers']} servers, KV pool {shape['pool']:,} tokens "
+          f"(max_running {shape['max_running']}), prompts of {shape['prompt']} tokens, {shape['prompts']} x "
+          f"{shape['samples']} samples up to {shape['max_new']} tokens, eval {shape['eval'][0]} x {shape['eval'][1]}; "
+          f"{rate:g} tokens/s per sequence")
+    print(f"{'round':<34} {'wall s':>7} {'slots':>5} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
+          f"{'max run':>7} {'max queued':>10} {'retracted':>9} {'retries':>7} {'down':>4}")
+    rows = [("per-producer (SGLang admits)", "per-producer"), ("fleet, first estimate (today)", "fixed"),
+            ("fleet, following: first step", "follow first step"), ("fleet, following: next step", "follow"),
+            (f"following, eval beside on 1 of {shape['servers']}", "beside"),
+            ("2 servers: training alone", "two alone"), ("2 servers: eval holds 1 server", "two hold"),
+            (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share")]
+    for label, key in rows:
+        r = res[key]
+        slots = str(r.get("slots", "-"))
+        extra = f"   (eval {r['eval_wall']:.1f} s)" if "eval_wall" in r else ""
+        print(f"{label:<34} {r['wall']:>7.1f} {slots:>5} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
+              f"{r['max_running']:>7} {r['max_waiting']:>10} {r['retracted']:>9} {r['retries']:>7} {r['down']:>4}{extra}")
+    f, t = res["follow"], res["fixed"]
+    a = res["two alone"]["wall"]
+    print(f"following vs first estimate, one step: {t['wall'] / f['wall']:.2f}x faster; 2 servers, a training step "
+          f"beside an evaluation: {res['two hold']['wall'] / a:.2f}x (eval holds 1 server), "
+          f"{res['two share']['wall'] / a:.2f}x (eval {EVAL_SHARE:.0%} of every KV pool) of one without")
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
-        n, slots, rate, max_new = sys.argv[2:6]
-        serve(int(n), int(slots), float(rate), int(max_new))
+        n, pool, max_running, prompt, rate, max_new = sys.argv[2:8]
+        serve(int(n), int(pool), int(max_running), int(prompt), float(rate), int(max_new))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=["30b", "8b", "both"], default="both")

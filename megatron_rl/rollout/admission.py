@@ -23,81 +23,262 @@ router, not per job, so sixteen producers would still need one view. The store i
 (every rank's process group has it), and a slot count is what SGLang itself cannot give us: its
 scheduler admits whatever arrives.
 
-Capacity: `rollout.max_inflight_per_server` when set (slots per server for the whole job), else
-derived from what the server reports (/server_info): as many sequences as its KV pool holds at
-SGLang's own first admission estimate (`KV_NEW_TOKEN_RATIO` of max_new_tokens each), at most its
-`max_running_requests`. An evaluation has a budget of its own
-(`Fleet.evaluate`), so it never takes training's slots.
+Capacity: how many requests a server runs at once. `rollout.max_inflight_per_server`, when set,
+is a fixed number for the whole job. Otherwise it follows the responses the job has seen, so that
+the fleet fills each server's KV pool (`max_total_num_tokens` of its /server_info) without
+queueing in it:
+- What SGLang does with what it is sent (sglang 0.5.23, schedule_policy.py `PrefillAdder`,
+  new_token_ratio_tracker.py): it admits a waiting request while its KV pool holds the running
+  requests' tokens plus a reservation for what each may still decode, min(max_new - decoded,
+  SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096) x new_token_ratio; the ratio starts at
+  SGLANG_INIT_NEW_TOKEN_RATIO = 0.7, falls by (0.7 - 0.7 x 0.14) / 600 per decode step to about 0.1
+  and goes back to 0.7 when the server idles; when decoding outgrows the pool it retracts requests
+  (their KV is dropped and recomputed later) and raises the ratio. So SGLang fills its pool on its
+  own, but what it does not admit waits in its queue, where another server's free room cannot
+  take it: the fleet decides how many requests each server gets, and should give it what its
+  pool holds, no more (queued there, or retracted) and no less (an empty cache decodes in smaller
+  batches).
+- Before any response is seen (the job's first step): the rule before issue 41, KV pool /
+  (KV_NEW_TOKEN_RATIO x max_new_tokens) (`derived_capacity`: SGLang's first ratio over the whole
+  budget, unclipped) - safe, and about 40 % of the pool at 16k tokens with a 6k mean response.
+- Then: the KV a running request holds at a random moment, from the lengths of finished requests
+  (`LengthStats`). A slot that is refilled at once (the fleet's slots are, while requests wait)
+  spends time on a request in proportion to its length l (decode time), so the request in it at a
+  random moment is drawn size-biased, l f(l) / E[l], and is uniformly far through its response:
+  it holds c = p + U l tokens (prompt p, U uniform on [0, 1]), E[c] = E[p l] / E[l] + E[l^2] /
+  (2 E[l]) and E[c^2] = (E[p^2 l] + E[p l^2] + E[l^3] / 3) / E[l]. n slots hold a sum of n such
+  draws; `kv_capacity` takes the largest n whose mean plus KV_Z standard deviations fits the pool
+  (n E[c] + KV_Z sqrt(n Var c) <= pool), at most the server's max_running_requests. At 16k
+  tokens with lognormal lengths (median 4k, sigma 0.84, cut at 16k: a 5.5k mean) and 512-token
+  prompts E[c] is 4.9k: 376-386 slots of a 2 M-token pool against the first estimate's 174, the
+  pool 91 % full in the steady state (tests/unit/test_admission_kv.py). Within one step whose
+  cache starts empty it is less (0.68 at the 30B shape in benchmarks/bench_fleet.py, against
+  0.39): the long responses take most of a step to build up their KV. Lengths that grow or shrink
+  over training move the caps: the statistics weigh the last LENGTH_WINDOW samples (older ones
+  fade out proportionally).
+- Which lengths: only complete sets of samples - a producer's share of a step (`Fleet.generate`),
+  an evaluation that finished - never a step's first finishers alone, which are its short ones
+  (counting those while the long ones still run would overfill the pool).
+- One capacity for every producer: the statistics are one value in the store (a JSON of the
+  weighted sums), replaced by compare-and-set (`observe`: read, add, compare_set, again if another
+  producer replaced it meanwhile), read with the loads at every take. Every producer computes the
+  caps from the same value with the same function, so after an update every take anywhere uses
+  the new caps; a take checks the count it made against the caps read in the same store call.
+  When caps fall, no server gets a request until its count is under the new cap (nothing is
+  cancelled); when they rise, the next take sees it.
+The guarantees stay those of the fixed budget: requests wait in their producers, never in a
+server's queue while another server has a free slot (SGLang may still hold a few in its queue for
+a moment, when its reservation for what the running requests may still decode does not fit beside
+them, or when lengths jump beyond the statistics; bench_fleet: none in a plain step at the 30B
+shape, at most 81 with an evaluation beside); the least loaded server (count / cap) takes the next
+request, so tokens per server stay even (max/min 1.014 there); a request waiting in its producer
+has no timeout (client.py times only a server's progress). An evaluation has a budget of its own (`Fleet.evaluate`), with its
+own statistics, so it never takes training's slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import json
 import math
 import random
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
 # SGLang's SGLANG_INIT_NEW_TOKEN_RATIO: the share of max_new_tokens its scheduler reserves for a
 # request it admits, before it has learnt how long responses run.
 KV_NEW_TOKEN_RATIO = 0.7
 DEFAULT_CAPACITY = 64  # a server that does not report its KV pool
+KV_Z = 2.0  # standard deviations of the slots' summed KV kept free below the pool
+LENGTH_WINDOW = 8192  # samples the length statistics weigh (older ones fade out)
+MIN_SAMPLES = 64  # finished samples before the statistics replace the first estimate
 
 
 def derived_capacity(info: Mapping, max_new_tokens: int) -> int:
-    """Sequences a server runs at once, from its /server_info: KV pool tokens over what SGLang
-    reserves per request (KV_NEW_TOKEN_RATIO x max_new_tokens), at most its max_running_requests;
+    """Sequences a server runs at once, from its /server_info, before any response is seen: KV
+    pool tokens over SGLang's first ratio of the whole budget (KV_NEW_TOKEN_RATIO x max_new_tokens;
+    SGLang's own reservation is clipped at 4,096 tokens), at most its max_running_requests;
     DEFAULT_CAPACITY when it reports neither."""
-    states = info.get("internal_states") or [{}]
-    running = states[0].get("effective_max_running_requests_per_dp") or info.get("max_running_requests")
-    pool = info.get("max_total_num_tokens")
-    if not pool:
-        return int(running) if running else DEFAULT_CAPACITY
+    kv = ServerKV.from_info(info)
+    if not kv.pool:
+        return kv.max_running or DEFAULT_CAPACITY
     per_request = max(1, math.ceil(KV_NEW_TOKEN_RATIO * max_new_tokens))
-    fits = max(1, int(pool) // per_request)
-    return min(fits, int(running)) if running else fits
+    fits = max(1, kv.pool // per_request)
+    return min(fits, kv.max_running) if kv.max_running else fits
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerKV:
+    """A server's room, from its /server_info: KV pool tokens (max_total_num_tokens) and
+    max_running_requests (per data-parallel rank); 0 where it reports none."""
+
+    pool: int
+    max_running: int
+
+    @classmethod
+    def from_info(cls, info: Mapping) -> "ServerKV":
+        states = info.get("internal_states") or [{}]
+        running = states[0].get("effective_max_running_requests_per_dp") or info.get("max_running_requests")
+        return cls(int(info.get("max_total_num_tokens") or 0), int(running or 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthStats:
+    """Weighted sums over finished samples (prompt p and response l tokens each): n and the sums of
+    l, l^2, l^3, p l, p^2 l, p l^2 - what the KV of a running request takes (module docstring)."""
+
+    n: float = 0.0
+    l1: float = 0.0
+    l2: float = 0.0
+    l3: float = 0.0
+    pl: float = 0.0
+    p2l: float = 0.0
+    pl2: float = 0.0
+
+    @classmethod
+    def of(cls, prompts: Sequence[int], responses: Sequence[int]) -> "LengthStats":
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompt lengths for {len(responses)} responses")
+        out = [0.0] * 7
+        for p, l in zip(prompts, responses):
+            p, l = float(p), float(l)
+            for i, v in enumerate((1.0, l, l * l, l ** 3, p * l, p * p * l, p * l * l)):
+                out[i] += v
+        return cls(*out)
+
+    def plus(self, other: "LengthStats", window: float = LENGTH_WINDOW) -> "LengthStats":
+        """`other` added, the old samples scaled down so that at most `window` are weighed."""
+        keep = max(0.0, min(1.0, (window - other.n) / self.n)) if self.n else 0.0
+        return LengthStats(*(a * keep + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def kv_per_request(self) -> tuple[float, float]:
+        """(mean, standard deviation) of the KV tokens a running request holds at a random moment
+        while its slot is refilled at once: c = p + U l, the request drawn size-biased by l."""
+        if self.l1 <= 0:
+            raise ValueError("no decoded token among the samples")
+        mean = (self.pl + self.l2 / 2) / self.l1
+        second = (self.p2l + self.pl2 + self.l3 / 3) / self.l1
+        return mean, math.sqrt(max(0.0, second - mean * mean))
+
+    def to_json(self) -> str:
+        """The store's value: the sums and a random tag, so that two producers that add the same
+        sums to the same value never write the same text (compare_set tells them apart)."""
+        return json.dumps([random.getrandbits(63), *dataclasses.astuple(self)])
+
+    @classmethod
+    def from_json(cls, text) -> "LengthStats":
+        return cls(*json.loads(text)[1:]) if text else cls()
+
+
+def kv_capacity(kv: ServerKV, stats: LengthStats, z: float = KV_Z) -> int:
+    """The most requests whose KV fits the server's pool: the largest n with
+    n mean + z sqrt(n) std <= pool (`LengthStats.kv_per_request`), at most max_running_requests,
+    at least 1."""
+    mean, std = stats.kv_per_request()
+    # n mean + z std sqrt(n) - pool = 0 is a quadratic in sqrt(n).
+    root = (-z * std + math.sqrt(z * z * std * std + 4 * mean * kv.pool)) / (2 * mean)
+    n = max(1, math.floor(root * root + 1e-9))
+    return min(n, kv.max_running) if kv.max_running else n
 
 
 class FleetBudget:
     """Slots of each server, counted in `store` under `prefix` (shared by every FleetBudget made
     with the same store and prefix, across threads and processes). `capacity`: slots per server,
-    one number for all or a URL -> slots mapping (a URL it lacks gets the smallest)."""
+    one number for all or a URL -> slots mapping (a URL it lacks gets the smallest): fixed, or,
+    with `kv` (URL -> ServerKV), the first estimate until `observe` has seen MIN_SAMPLES finished
+    samples, then `kv_capacity` of each server from the shared length statistics."""
 
     POLL_S = 0.05  # a waiting client looks for slots given back by other producers this often
 
-    def __init__(self, store, prefix: str, capacity: int | Mapping[str, int], seed: int = 0):
+    def __init__(self, store, prefix: str, capacity: int | Mapping[str, int], seed: int = 0,
+                 kv: Optional[Mapping[str, ServerKV]] = None):
         if isinstance(capacity, Mapping):
             if not capacity or min(capacity.values()) < 1:
                 raise ValueError(f"capacity {dict(capacity)}: at least 1 slot per server")
         elif capacity < 1:
             raise ValueError(f"capacity = {capacity}: at least 1 slot per server")
         self.store, self.prefix, self.capacity = store, prefix, capacity
+        self.kv = dict(kv) if kv else None
         self._known: set[str] = set()
         self._order = random.Random(seed).random()  # this budget's place in the tie rotation
         self._turn = itertools.count()
+        self._stats_text = b""  # the statistics the caps below were computed from
+        self._caps: dict[str, int] = {}
 
     @classmethod
-    def local(cls, capacity: int | Mapping[str, int]) -> "FleetBudget":
+    def local(cls, capacity: int | Mapping[str, int], kv: Optional[Mapping[str, ServerKV]] = None) -> "FleetBudget":
         """A budget of its own, counted in this process (its clones share it)."""
-        return cls(LocalCounts(), "fleet", capacity)
+        return cls(LocalCounts(), "fleet", capacity, kv=kv)
 
     def cap(self, url: str) -> int:
+        if url in self._caps:
+            return self._caps[url]
         c = self.capacity
         return c if isinstance(c, int) else c.get(url, min(c.values()))
 
     def _key(self, url: str) -> str:
         return f"{self.prefix}/{url}"
 
+    @property
+    def _stats_key(self) -> str:
+        return f"{self.prefix}//lengths"
+
+    def _follow(self, text: bytes) -> None:
+        """The caps of the statistics `text` (recomputed only when they changed)."""
+        if text == self._stats_text:
+            return
+        self._stats_text = text
+        stats = LengthStats.from_json(text.decode() if isinstance(text, bytes) else text)
+        self._caps = ({u: kv_capacity(k, stats) for u, k in self.kv.items() if k.pool}
+                      if stats.n >= MIN_SAMPLES and stats.l1 > 0 else {})
+
+    def stats(self) -> LengthStats:
+        """The length statistics every producer's caps follow, now (empty for a fixed budget)."""
+        if self.kv is None:
+            return LengthStats()
+        self.loads([])
+        text = self.store.multi_get([self._stats_key])[0]
+        self._follow(text)  # and this budget's caps are those of these statistics
+        return LengthStats.from_json(text.decode())
+
+    def observe(self, prompts: Sequence[int], responses: Sequence[int]) -> None:
+        """Add a complete set of finished samples (prompt and response tokens each) to the
+        statistics every producer's caps follow: never a set's first finishers alone (module
+        docstring). Nothing for a fixed budget."""
+        if self.kv is None or not responses:
+            return
+        add = LengthStats.of(prompts, responses)
+        self.loads([])  # the statistics' key exists
+        old = self.store.multi_get([self._stats_key])[0]
+        while True:  # compare-and-set: another producer's update in between is kept, not lost
+            new = LengthStats.from_json(old.decode()).plus(add).to_json()
+            now = self.store.compare_set(self._stats_key, old, new)
+            if now in (new, new.encode()):
+                return
+            old = now
+
     def loads(self, urls: Sequence[str]) -> list[int]:
-        """Slots taken on each server, by every client of this budget."""
+        """Slots taken on each server, by every client of this budget (and, for a budget that
+        follows the statistics, the caps of their latest value)."""
+        if self.kv is not None and self._stats_key not in self._known:
+            self.store.compare_set(self._stats_key, "", LengthStats().to_json())  # exists from now on
+            self._known.add(self._stats_key)
         fresh = [u for u in urls if u not in self._known]
         for u in fresh:  # multi_get needs every key to exist
             self.store.add(self._key(u), 0)
         self._known.update(fresh)
-        return [int(v) for v in self.store.multi_get([self._key(u) for u in urls])] if urls else []
+        if not urls:
+            return []
+        keys = [self._key(u) for u in urls] + ([self._stats_key] if self.kv is not None else [])
+        values = self.store.multi_get(keys)
+        if self.kv is not None:
+            self._follow(values.pop())
+        return [int(v) for v in values]
 
     def take(self, urls: Sequence[str]) -> str | None:
         """A slot of the least loaded of `urls` with one free (counted from now on), or None when
@@ -125,24 +306,34 @@ class FleetBudget:
         """The same counts over a connection of its own (a TCPStore client is one socket: one per
         thread)."""
         store = self.store if isinstance(self.store, LocalCounts) else self.store.clone()
-        return FleetBudget(store, self.prefix, self.capacity, seed=random.getrandbits(32))
+        return FleetBudget(store, self.prefix, self.capacity, seed=random.getrandbits(32), kv=self.kv)
 
 
 class LocalCounts:
-    """The two store operations a budget uses, in this process (thread-safe)."""
+    """The store operations a budget uses, in this process (thread-safe), with a TCPStore's
+    semantics: counts are added, values are bytes, compare_set sets an absent key when
+    `expected` is empty and returns the value it leaves."""
 
     def __init__(self):
-        self._counts: dict[str, int] = {}
+        self._values: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
     def add(self, key: str, value: int) -> int:
         with self._lock:
-            self._counts[key] = self._counts.get(key, 0) + value
-            return self._counts[key]
+            n = int(self._values.get(key, b"0")) + value
+            self._values[key] = str(n).encode()
+            return n
 
-    def multi_get(self, keys: Sequence[str]) -> list[int]:
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        expected, desired = (v.encode() if isinstance(v, str) else v for v in (expected, desired))
         with self._lock:
-            return [self._counts[k] for k in keys]
+            if self._values.get(key, b"") == expected or (key not in self._values and not expected):
+                self._values[key] = desired
+            return self._values[key]
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        with self._lock:
+            return [self._values[k] for k in keys]
 
 
 class RequestLine:

@@ -6,6 +6,19 @@ pass@k (the share of prompts with a correct sample: rewards/__init__.py `is_corr
 eval.servers > 0, `BesideTraining` runs it on a thread on the last eval.servers servers of the
 push just made, which keep those weights (no push reaches them, no producer samples there) until it
 ends; its metrics join the row of the step it ends in.
+
+Why whole servers, and what sizes the evaluation (issue 41). Every sample of an evaluation must
+come from the weights it evaluates, and a server holds one version: a push replaces it for every
+request there, and the old weights are gone (SGLang records the version of every token, so a
+sample cut by a push is detected, but it cannot be generated at the old weights again). So an
+evaluation that shares servers with training can only run between two pushes, or hold the pushes
+back. Holding whole servers keeps training's pushes on time, at the cost of those servers' share
+of the fleet while it runs. What bounds that cost here: the evaluation's own budget follows the
+lengths of its samples (rollout/admission.py: slots fill each held server's KV pool, not the
+first estimate's ~40 %), so it ends sooner and training has the whole fleet back sooner.
+`benchmarks/bench_fleet.py` measures, on two servers, a step beside an evaluation that holds one
+(1.50x a step without) and beside one that would take a fifth of every server's KV pool instead
+(1.15x), the design that needs the pushes held while it runs (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.rewards import get_reward, is_correct
 from megatron_rl.rewards.pool import RewardPool
 from megatron_rl.rollout import placement
-from megatron_rl.rollout.admission import FleetBudget, LocalCounts
+from megatron_rl.rollout.admission import FleetBudget, LocalCounts, ServerKV, derived_capacity
 from megatron_rl.rollout.client import RolloutClient, SamplingParams
 from megatron_rl.rollout.episode import load_episode_fn, sample_episodes
 from megatron_rl.rollout.evaluation import BesideTraining, eval_metrics
@@ -49,10 +49,43 @@ from megatron_rl.rollout.memory import return_large_frees
 from megatron_rl.rollout.pushes import WeightPushes
 from megatron_rl.rollout.records import RolloutRecord
 from megatron_rl.rollout.servers import (  # noqa: F401 (server_device, server_dtype, server_extra_args: re-exported)
-    capacities, local_server_gpus, server_device, server_dtype, server_extra_args, start_local_servers,
+    local_server_gpus, server_device, server_dtype, server_extra_args, start_local_servers,
 )
 from megatron_rl.vocab_parallel import TOPK_DIVERGENCES
 from megatron_rl.weights.fp8 import ServedWeights
+
+
+def slots(cfg: JobConfig, urls: list[str]
+          ) -> tuple[dict[str, int], dict[str, int], Optional[dict[str, ServerKV]]]:
+    """Rank 0: each server's first slots for training and for an evaluation (at their
+    max_new_tokens) and its KV pool, which the slots follow once lengths are seen
+    (rollout/admission.py); rollout.max_inflight_per_server: fixed slots, no KV (None)."""
+    from megatron_rl.weights.endpoint import ServerEndpoint
+
+    n = cfg.rollout.max_inflight_per_server
+    if n:
+        caps = {u: n for u in urls}
+        return caps, caps, None
+    infos = {u: ServerEndpoint(u).server_info() for u in urls}
+    train_new = cfg.rollout.max_new_tokens
+    eval_new = cfg.eval.max_new_tokens or train_new
+    train = {u: derived_capacity(info, train_new) for u, info in infos.items()}
+    evaluation = {u: derived_capacity(info, eval_new) for u, info in infos.items()}
+    kv = {u: ServerKV.from_info(info) for u, info in infos.items()}
+    print("[megatron-rl] rollout slots per server, training / evaluation, until lengths are seen (then "
+          "they follow them: KV pool / the KV of a running request; rollout.max_inflight_per_server "
+          "fixes them): " + ", ".join(f"{u} {train[u]} / {evaluation[u]} (KV pool {kv[u].pool})" for u in infos),
+          flush=True)
+    return train, evaluation, kv
+
+
+def observe_lengths(budget: FleetBudget, groups: list[list[RolloutRecord]]) -> None:
+    """Tell the budget the lengths of a complete set of samples: its slots follow them
+    (rollout/admission.py); nothing to a budget whose slots are fixed (rollout.max_inflight_per_server).
+    Not for an episode's records, which stand for several requests."""
+    if getattr(budget, "kv", None) is not None:
+        recs = [rec for g in groups for rec in g]
+        budget.observe([rec.prompt_ids.numel() for rec in recs], [rec.num_response_tokens for rec in recs])
 
 
 class _InRotation:
@@ -110,22 +143,21 @@ class Fleet:
             # Each server's own layout (TP, dp 1, seeded / R3 flags) against the config, before the
             # first request: a mismatch is one clear error here, not a rendezvous hang later.
             placement.checked_endpoints(self.urls(), cfg)
-            caps, eval_caps = capacities(cfg, self.urls(), r.max_new_tokens,
-                                         cfg.eval.max_new_tokens or r.max_new_tokens)
-            self._eval_budget = FleetBudget.local(eval_caps)  # an evaluation's own slots (rank 0 evaluates)
+            caps, eval_caps, kv = slots(cfg, self.urls())
+            self._eval_budget = FleetBudget.local(eval_caps, kv=kv)  # an evaluation's own (rank 0 evaluates)
         # The producers' server list (rank 0's local servers, reachable on its host only, or the
-        # launcher's), each server's slots for the whole job and the name the counts go under: a
+        # launcher's), each server's first slots and KV pool, and the name the counts go under: a
         # small object broadcast once.
-        shared = [(self.urls(), socket.gethostname(), caps, uuid.uuid4().hex[:8]) if self.driver else None]
+        shared = [(self.urls(), socket.gethostname(), caps, kv, uuid.uuid4().hex[:8]) if self.driver else None]
         multi = dist.is_initialized() and dist.get_world_size() > 1
         if multi:
             dist.broadcast_object_list(shared, src=0)
-        urls, host, caps, name = shared[0]
+        urls, host, caps, kv, name = shared[0]
         if not self.producer:
             return
-        # One budget for every producer of the job (rollout/admission.py): counted in the job's store.
+        # One budget for every producer of the job (rollout/admission.py), in the job's store.
         store = dist.distributed_c10d._get_default_store() if multi else LocalCounts()
-        self._budget = FleetBudget(store, f"fleet/{name}", caps)
+        self._budget = FleetBudget(store, f"fleet/{name}", caps, kv=kv)
         if self.manager is None and not r.server_urls and socket.gethostname() != host:
             raise ValueError(f"rollout.placement=local serves from rank 0's node ({host}); the producer on "
                              f"{socket.gethostname()} cannot reach its servers: use "
@@ -381,6 +413,8 @@ class Fleet:
                 (order if informative[j] or not r.dynamic_sampling else spare).append((rounds, j))
             rounds += 1
         order = (order + spare)[:want]
+        if self.episode_fn is None:  # every sample of this share is finished: a fair draw of lengths
+            observe_lengths(self.client.budget, [g for g, _ in mine.values()])
         uids = {key: p.uid for key, p in drawn.items()}
         records, rewards, gids, correct = [], [], [], 0
         for gi, key in enumerate(order):
@@ -442,6 +476,8 @@ class Fleet:
         training, client.budget = client.budget, self._eval_budget.clone()  # its own slots, never training's
         try:
             groups, rewards, metrics = self.sample(prompts, e.k, sampling, deadline_s=deadline)
+            if self.episode_fn is None and not metrics.get("missing_samples"):  # a complete set only
+                observe_lengths(client.budget, groups)
         finally:
             client.budget = training
         seen = {int(v) for g in groups for rec in g if rec.versions is not None for v in rec.versions.unique()}

@@ -1,10 +1,9 @@
-"""The rollout servers of a job: what SGLang is started with for a config, where local servers run,
-how many requests each takes.
+"""The rollout servers of a job: what SGLang is started with for a config, where local servers run.
 
 Servers come from `rollout.server_urls` (disaggregated: started by the launcher, e.g. on other
 nodes) or are started here by rank 0 on its own machine (`start_local_servers`: an `EngineManager`,
-which restarts dead ones; on GPUs only on `rollout.gpu_ids`). `capacities` gives each server's slots
-for the fleet's admission budget (rollout/admission.py).
+which restarts dead ones; on GPUs only on `rollout.gpu_ids`).
+Each server's slots (the fleet's admission budget) come from `fleet.slots` and rollout/admission.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch.distributed as dist
 
 from megatron_rl.config.schema import JobConfig
 from megatron_rl.rollout import auth, placement
-from megatron_rl.rollout.admission import derived_capacity
 from megatron_rl.rollout.placement import server_device  # noqa: F401 (re-exported: the servers' device)
 
 
@@ -73,23 +71,3 @@ def start_local_servers(cfg: JobConfig, model_path: Path, out_dir: Path, device:
                      enable_return_routed_experts=cfg.algorithm.router_replay == "r3",
                      extra_args=server_extra_args(cfg), env=auth.server_env()),
         r.num_servers, log_dir=out_dir / "server_logs", gpu_ids=gpu_ids).start()
-
-
-def capacities(cfg: JobConfig, urls: list[str], train_tokens: int, eval_tokens: int
-               ) -> tuple[dict[str, int], dict[str, int]]:
-    """Rank 0: each server's slots for the whole job's training and for an evaluation (at their
-    max_new_tokens): rollout.max_inflight_per_server, or derived from the server's KV pool
-    (admission.derived_capacity)."""
-    from megatron_rl.weights.endpoint import ServerEndpoint
-
-    n = cfg.rollout.max_inflight_per_server
-    if n:
-        caps = {u: n for u in urls}
-        return caps, caps
-    infos = {u: ServerEndpoint(u).server_info() for u in urls}
-    train, evaluation = ({u: derived_capacity(info, tokens) for u, info in infos.items()}
-                         for tokens in (train_tokens, eval_tokens))
-    print("[megatron-rl] rollout slots per server, training / evaluation (derived from each server's KV pool; "
-          "rollout.max_inflight_per_server sets them): "
-          + ", ".join(f"{u} {train[u]} / {evaluation[u]}" for u in infos), flush=True)
-    return train, evaluation
