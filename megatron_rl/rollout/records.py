@@ -24,8 +24,15 @@ SGLang's raw layouts and how they map:
 - `output_ids`: [T] token ids.
 - `meta_info.output_token_logprobs`: [T] of [logp, token_id, text|null] — row t is
   `response_ids[t]`'s log-prob; its id must equal `output_ids[t]`.
-- `meta_info.output_top_logprobs`: [T] lists of K [logp, token_id, text|null], most likely first.
-- `meta_info.routed_experts`: base64 of int32 [P+T−1−start, L, k]; row j is the routing of the
+- `meta_info.output_top_logprobs`: [T] lists of K [logp, token_id, text|null], most likely first;
+  or, when the request set `return_flat_raw_output_top_logprobs` and `…_b64` (the client does),
+  SGLang's flat form instead: `output_top_logprobs_val_flat_b64` (base64 of float32 [T, K]) and
+  `output_top_logprobs_idx_flat_b64` (int32 [T, K]), their `…_dtype` markers, `…_shape` [T, K]
+  and `…_null_prefix` 0 (213 B per token at K = 20 against ~660 of JSON). SGLang sends it only
+  on the finished answer (an abort's included) and falls back to the nested form when it cannot
+  build it, so both are read.
+- `meta_info.routed_experts`: base64 of int32 [P+T−1−start, L, k] — or of uint8 / int16 behind
+  a `uint8:` / `int16:` prefix (patches/sglang_fixes.py narrows them); row j is the routing of the
   token at sequence position start+j (its input position). The last response token is never
   fed through the model, so it has no row. With start = 0 (what the client asks for) row j is
   `routes[j]`: rows [0, P−1) are the prompt positions 0..P−2 and rows [P−1, P−1+T) positions
@@ -258,42 +265,57 @@ def _force_sampled_in_place(ids: np.ndarray, logp: np.ndarray, sampled_ids: np.n
     logp[missing, -1] = sampled_logp[missing]
 
 
+ROUTE_WIDTHS = {"uint8:": np.uint8, "int16:": np.int16}
+"""Prefixes of narrowed routes (patches/sglang_fixes.py); ':' is outside base64's alphabet, so an
+unprefixed string is SGLang's own int32."""
+
+
 def decode_routed_experts(b64: Any, num_rows: int, moe_topk: int, num_experts: int,
                           field: str = "meta_info.routed_experts") -> torch.Tensor:
-    """SGLang's base64 int32 routed experts → [num_rows, L, moe_topk] in `route_dtype(num_experts)`.
+    """SGLang's base64 routed experts → [num_rows, L, moe_topk] in `route_dtype(num_experts)`:
+    int32 (unprefixed, SGLang's own), or uint8 / int16 after a `ROUTE_WIDTHS` prefix.
 
-    Every id must lie in [0, num_experts); the int32 values are range-checked and narrowed in
-    numpy, with no wider intermediate. Raises MalformedResponse naming `field`.
+    Every id must lie in [0, num_experts); the values are range-checked and narrowed in numpy,
+    with no wider intermediate. Raises MalformedResponse naming `field`.
     """
     dtype = route_dtype(num_experts)
     if not isinstance(b64, (str, bytes)):
         raise MalformedResponse(field, f"expected a base64 string, got {type(b64).__name__}")
+    head = b64[:8] if isinstance(b64, str) else bytes(b64[:8]).decode(errors="replace")
+    wire, text = np.dtype(np.int32), b64
+    if ":" in head:
+        prefix = head[:head.index(":") + 1]
+        if prefix not in ROUTE_WIDTHS:
+            raise MalformedResponse(field, f"width prefix {prefix!r} is not one of {list(ROUTE_WIDTHS)} "
+                                    "(or none: int32)")
+        wire = np.dtype(ROUTE_WIDTHS[prefix])
+        text = b64[len(prefix):] if isinstance(b64, str) else memoryview(b64)[len(prefix):]
     try:
         import pybase64  # parsing only: train_only runs (and the GPU suite's image) need none
 
-        raw = pybase64.b64decode(b64, validate=True)
+        raw = pybase64.b64decode_as_bytearray(text, validate=True)  # writable: no copy below
     except ValueError as e:  # binascii.Error is a ValueError
         raise MalformedResponse(field, f"is not valid base64 ({e})") from None
-    if len(raw) % 4:
-        raise MalformedResponse(field, f"decodes to {len(raw)} bytes, not a whole number of int32")
-    flat = np.frombuffer(raw, dtype=np.int32)
+    if len(raw) % wire.itemsize:
+        raise MalformedResponse(field, f"decodes to {len(raw)} bytes, not a whole number of {wire.name}")
+    flat = np.frombuffer(raw, dtype=wire)
     per_row = moe_topk * max(num_rows, 1)
     if num_rows <= 0 or flat.size == 0 or flat.size % per_row:
         raise MalformedResponse(field, (
-            f"holds {flat.size} int32 values, which is not {num_rows} rows (positions) × L layers "
+            f"holds {flat.size} {wire.name} values, which is not {num_rows} rows (positions) × L layers "
             f"× {moe_topk} experts for any L ≥ 1; check moe_topk (num_experts_per_tok) and that the "
             "request asked for routed_experts_start_len=0"))
-    # One pass: a negative id viewed as uint32 is ≥ 2^31, so `max < E` checks both bounds.
-    as_u32 = flat.view(np.uint32)
-    if int(as_u32.max()) >= num_experts:
-        bad = int(np.argmax(as_u32 >= num_experts))
+    # One pass: a negative id viewed as unsigned is ≥ 2^(bits−1) > E, so `max < E` checks both bounds.
+    as_unsigned = flat.view(wire.str.replace("i", "u"))
+    if int(as_unsigned.max()) >= num_experts:
+        bad = int(np.argmax(as_unsigned >= num_experts))
         L = flat.size // per_row
         row, rest = divmod(bad, L * moe_topk)
         raise MalformedResponse(field, (
             f"row {row} (input position {row}), layer {rest // moe_topk} names expert "
             f"{int(flat[bad])}, outside [0, {num_experts}); check num_experts"))
-    return torch.from_numpy(flat.astype(np.uint8 if dtype == torch.uint8 else np.int16)).view(
-        num_rows, -1, moe_topk)
+    narrow = flat.astype(np.uint8 if dtype == torch.uint8 else np.int16, copy=False)
+    return torch.from_numpy(narrow).view(num_rows, -1, moe_topk)
 
 
 def _describe(x: Any) -> str:
@@ -407,6 +429,53 @@ def _topk_from_raw(raw: bytes, T: int, K: int) -> tuple[np.ndarray, np.ndarray] 
                          and (ids == np.floor(ids)).all()):
         return None
     return logp, ids.astype(np.int32)
+
+
+FLAT_TOPK = "output_top_logprobs_"
+FLAT_TOPK_FIELDS = {"val_flat_b64": "<f4", "idx_flat_b64": "<i4", "shape": None, "null_prefix": None}
+"""SGLang's flat top-K fields (`meta_info.output_top_logprobs_` + name) and the little-endian
+dtypes of the two arrays (their `…_dtype` markers name them: "float32", "int32")."""
+
+
+def _topk_from_flat(meta: dict[str, Any], T: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """SGLang's flat base64 top-K (module docstring) → (logp float32, ids int32), flat row-major
+    and writable; raises MalformedResponse naming the first bad field."""
+    import pybase64  # parsing only, as in decode_routed_experts
+
+    at = "meta_info." + FLAT_TOPK
+    shape, null_prefix = meta.get(FLAT_TOPK + "shape"), meta.get(FLAT_TOPK + "null_prefix")
+    if not (type(shape) is list and [type(x) for x in shape] == [int, int] and shape == [T, K]):
+        raise MalformedResponse(at + "shape", f"is {_describe(shape)}, expected [{T}, {K}] "
+                                "(output tokens, top_logprobs_num)")
+    if type(null_prefix) is not int or null_prefix != 0:
+        raise MalformedResponse(at + "null_prefix", f"is {_describe(null_prefix)}, expected 0 (every "
+                                "output token has its top-K row)")
+    out = []
+    for name in ("val_flat_b64", "idx_flat_b64"):
+        wire = np.dtype(FLAT_TOPK_FIELDS[name])
+        marker = meta.get(FLAT_TOPK + name + "_dtype")
+        if marker != wire.name:
+            raise MalformedResponse(at + name + "_dtype", f"is {_describe(marker)}, expected {wire.name!r}")
+        b64 = meta.get(FLAT_TOPK + name)
+        if not isinstance(b64, (str, bytes)):
+            raise MalformedResponse(at + name, "missing" if b64 is None else
+                                    f"expected a base64 string, got {_describe(b64)}")
+        try:
+            raw = pybase64.b64decode_as_bytearray(b64, validate=True)  # writable: no copy below
+        except ValueError as e:
+            raise MalformedResponse(at + name, f"is not valid base64 ({e})") from None
+        if len(raw) != T * K * wire.itemsize:
+            raise MalformedResponse(at + name, f"decodes to {len(raw)} bytes, not [{T}, {K}] {wire.name} "
+                                    f"({T * K * wire.itemsize} bytes)")
+        out.append(np.frombuffer(raw, dtype=wire))
+    logp, ids = out
+    for name, bad, what in (("val_flat_b64", ~np.isfinite(logp), "log-prob {} is not finite"),
+                            ("idx_flat_b64", ids < 0, "token id {} is outside [0, 2^31)")):
+        if bad.any():
+            i = int(np.argmax(bad))
+            t, c, value = i // K, i % K, (logp if name == "val_flat_b64" else ids)[i].item()
+            raise MalformedResponse(at + name, f"row {t}, column {c}: " + what.format(value))
+    return logp, ids
 
 
 def _logprob_columns(rows: Any, field: str, T: int, K: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -545,16 +614,20 @@ def record_from_sglang(
 
     topk_ids = topk_logp = None
     if top_k > 0:
-        if "output_top_logprobs" not in meta:
+        if any(FLAT_TOPK + name in meta for name in FLAT_TOPK_FIELDS):
+            lp, ids = _topk_from_flat(meta, T, top_k)
+        elif "output_top_logprobs" not in meta:
             raise MalformedResponse("meta_info.output_top_logprobs",
                                     "missing (the request sets top_logprobs_num)")
-        rows = meta["output_top_logprobs"]
-        fast = _topk_from_raw(rows, T, top_k) if isinstance(rows, RawJSON) else None
-        if fast is None and isinstance(rows, RawJSON):
-            import orjson  # parsing only, as pybase64 above
+        else:
+            rows = meta["output_top_logprobs"]
+            fast = _topk_from_raw(rows, T, top_k) if isinstance(rows, RawJSON) else None
+            if fast is None and isinstance(rows, RawJSON):
+                import orjson  # parsing only, as pybase64 above
 
-            rows = orjson.loads(bytes(rows))  # not in the expected form: parse it for the precise error
-        lp, ids = fast if fast is not None else _logprob_columns(rows, "meta_info.output_top_logprobs", T, top_k)
+                rows = orjson.loads(bytes(rows))  # not in the expected form: parse it for the precise error
+            lp, ids = fast if fast is not None else _logprob_columns(rows, "meta_info.output_top_logprobs",
+                                                                     T, top_k)
         ids, lp = ids.reshape(T, top_k), lp.reshape(T, top_k)
         _force_sampled_in_place(ids, lp, logp_ids, rollout_logp)  # fresh arrays: no copy needed
         topk_ids, topk_logp = torch.from_numpy(ids), torch.from_numpy(lp)
