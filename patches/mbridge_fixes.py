@@ -21,6 +21,11 @@
 - `export_weights` with EP=1 sends expert weights down the dense path, which all-gathers them
   over the TP group; with expert-TP=1 those copies are replicas, and the merge asserted on their
   count. The merge now takes the single replica.
+- `export_weights` runs several collectives per parameter (object all-gathers and broadcasts of
+  each name and shape over the pipeline group, then a gather per tensor): ~60-100 k per push at
+  Qwen3-30B-A3B. It is replaced by megatron_rl.models.weight_export's bucketed export (the same
+  tensors in the same order, a fixed number of collectives per bucket); upstream's stays as
+  `Bridge.export_weights_per_parameter`, the reference the tests and the benchmark compare with.
 """
 
 from __future__ import annotations
@@ -127,7 +132,17 @@ def apply(version: str | None = None) -> None:
 
     Bridge._weight_merge_across_tp = weight_merge_across_tp
     Bridge.load_weights = _load_weights
+    Bridge.export_weights_per_parameter = Bridge.export_weights
+    Bridge.export_weights = _export_weights
     _applied = True
+
+
+def _export_weights(self, models, bucket_bytes: int | None = None):
+    """(HF name, full tensor) for every weight, gathered bucket by bucket; a collective."""
+    from megatron_rl.models.weight_export import BUCKET_BYTES, export_buckets
+
+    for bucket in export_buckets(self, models, bucket_bytes or BUCKET_BYTES):
+        yield from bucket
 
 
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # output layer, untied or tied

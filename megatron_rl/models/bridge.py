@@ -224,9 +224,14 @@ def load_hf_weights(bridge, chunks, hf_path: str | Path) -> None:
         bridge.load_weights(chunks, str(hf_path))
 
 
-def export_hf_weights(bridge, chunks) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for every weight; every model-parallel rank must iterate."""
-    return bridge.export_weights(chunks)
+def export_hf_weights(bridge, chunks, bucket_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for every weight; every model-parallel rank must iterate.
+    Gathered bucket by bucket (`bucket_bytes` of HF bytes each, models/weight_export.py's default
+    if None), a fixed number of collectives per bucket: models/weight_export.py, installed as
+    mbridge's `export_weights` by patches/mbridge_fixes.py."""
+    if bucket_bytes is None:
+        return bridge.export_weights(chunks)
+    return bridge.export_weights(chunks, bucket_bytes=bucket_bytes)
 
 
 def save_hf_checkpoint(bridge, chunks, out_dir: str | Path, tokenizer_src: str | Path | None) -> None:

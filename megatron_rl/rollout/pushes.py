@@ -1,15 +1,15 @@
 """Weight pushes to the rollout servers: which servers get each push, the transport, retries.
 
-A push is a collective of every learner rank (mbridge's export gathers the shards); rank 0 (the
-driver) sends the full tensors with the configured transport (`rollout.weight_sync`: distributed =
-an NCCL/gloo update group, tensor, disk). Before each push rank 0 finds the servers that answer:
-local servers (an `EngineManager`) that died are restarted first; disaggregated servers (the
-launcher's, restarted by its supervisor) that do not answer are left out and taken back, with the
-current weights, at the first push after they answer. Whenever that set changes, or a server
-answers with another version than the last push gave it (it was restarted and lost the update
-group), the update group is formed again. A server that dies after the check and before the push
-sent anything (`ServersUnreachable`) is restarted or left out and the push is made again (three
-tries).
+A push is a collective of every learner rank (the export gathers the shards, a few collectives per
+bucket: models/weight_export.py); rank 0 (the driver) sends the full tensors with the configured
+transport (`rollout.weight_sync`: distributed = an NCCL/gloo update group, tensor, disk). Before
+each push rank 0 finds the servers that answer: local servers (an `EngineManager`) that died are
+restarted first; disaggregated servers (the launcher's, restarted by its supervisor) that do not
+answer are left out and taken back, with the current weights, at the first push after they answer.
+Whenever that set changes, or a server answers with another version than the last push gave it (it
+was restarted and lost the update group), the update group is formed again. A server that dies
+after the check and before the push sent anything (`ServersUnreachable`) is restarted or left out
+and the push is made again (three tries).
 """
 
 from __future__ import annotations

@@ -35,9 +35,11 @@ class Bucket:
         return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in self.tensors])
 
 
-def bucketize(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[Bucket]:
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int, copy: bool = True) -> Iterator[Bucket]:
     """Group a stream of (name, tensor) into buckets of at most `max_bytes` (a tensor larger than
-    that gets a bucket of its own) and of a single dtype; order is preserved within a dtype."""
+    that gets a bucket of its own) and of a single dtype; order is preserved within a dtype.
+    `copy=False` keeps the tensors as given, for a caller that copies each bucket (`flatten`) as
+    soon as it gets it, from an export that never reuses a buffer (models/weight_export.py)."""
     open_buckets: dict[torch.dtype, Bucket] = {}
     for name, tensor in named:
         size = tensor.numel() * tensor.element_size()
@@ -48,6 +50,6 @@ def bucketize(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iter
         if b is None:
             b = open_buckets[tensor.dtype] = Bucket([], [])
         b.names.append(name)
-        # Export may hand out views of buffers it reuses; keep our own copy until sent.
-        b.tensors.append(tensor.detach().clone())
+        # An export may hand out views of buffers it reuses; keep our own copy until sent.
+        b.tensors.append(tensor.detach().clone() if copy else tensor.detach())
     yield from open_buckets.values()

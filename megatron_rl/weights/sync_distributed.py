@@ -10,6 +10,12 @@ Group ranks: 0 is the learner; server i's TP rank t is 1 + (TP sizes of servers 
 Those sizes must be the servers' real ones (`ServerEndpoint.tp_size`, read from each server's
 /server_info by rollout/placement.py): a wrong count leaves the rendezvous waiting for ranks that
 never come. SGLang refuses all of this on a server with dp_size > 1: one server per replica.
+
+Buckets are pipelined: a sender thread broadcasts bucket i (and waits for the servers to load it)
+while the calling thread goes on with the export, gathering bucket i+1 (models/weight_export.py:
+a fixed number of collectives per bucket) and copying it into its flat buffer; at most two flat
+buckets exist at once. The learner's collectives and this group's broadcast are on different
+process groups, so the two threads never wait on each other's collectives.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class DistributedWeightSync:
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.group = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
+        # The sender thread's CUDA device is the learner's (a new thread starts on device 0).
+        self._sender = ThreadPoolExecutor(max_workers=1, initializer=(
+            (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None))
 
     def _all(self, path: str, payload: dict) -> list[dict]:
         futures = [self._pool.submit(s.post, path, payload, self.timeout_s) for s in self.servers]
@@ -94,23 +103,36 @@ class DistributedWeightSync:
             raise WeightSyncError("DistributedWeightSync.push before connect()")
         start, nbytes, nbuckets = time.perf_counter(), 0, 0
         self._begin()
+        sending = None
         try:
-            for bucket in bucketize(named_tensors, self.bucket_bytes):
-                flat = bucket.flatten().to(self.device)
+            for bucket in bucketize(named_tensors, self.bucket_bytes, copy=False):
+                flat = bucket.flatten().to(self.device)  # our own copy: the export may go on
                 payload = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
                            "group_name": self.group_name, "load_format": "flattened_bucket",
                            "flush_cache": False, "weight_version": weight_version}
-                futures = [self._pool.submit(s.post, "/update_weights_from_distributed", payload,
-                                             self.timeout_s) for s in self.servers]
-                dist.broadcast(flat, src=0, group=self.group)
-                for f in futures:
-                    f.result()
+                del bucket
+                if sending is not None:
+                    sending.result()  # one bucket in flight: at most two flat buffers exist
+                sending = self._sender.submit(self._send, flat, payload)
                 nbytes += flat.numel()
                 nbuckets += 1
+                del flat
+            if sending is not None:
+                sending.result()
         finally:
+            if sending is not None:
+                sending.exception()  # never end the update while a broadcast is still running
             self._all("/end_weight_update", {})
         self._all("/flush_cache", {})
         return {"bytes": nbytes, "seconds": time.perf_counter() - start, "buckets": nbuckets}
+
+    def _send(self, flat: torch.Tensor, payload: dict) -> None:
+        """One bucket: every server asked to receive it, the broadcast, every server's answer."""
+        futures = [self._pool.submit(s.post, "/update_weights_from_distributed", payload, self.timeout_s)
+                   for s in self.servers]
+        dist.broadcast(flat, src=0, group=self.group)
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         if self.group is not None:
@@ -121,3 +143,4 @@ class DistributedWeightSync:
             dist.destroy_process_group(self.group)
             self.group = None
         self._pool.shutdown(wait=False)
+        self._sender.shutdown(wait=False)
