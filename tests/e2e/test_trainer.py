@@ -128,10 +128,18 @@ def test_ctrl_c_checkpoints_exits_zero_quietly_and_resumes(server_url, tmp_path)
     after = [line for line in lines[before:] if line.strip()]
     steps = [line for line in after if line.startswith("step ")]  # the step in progress finishes and logs
     assert len(after) - len(steps) <= 5, "".join(after)
-    assert "SIGINT: checkpoint at step" in output and "Ctrl-C: stopping with a checkpoint" in output
+    assert "Ctrl-C: stopping with a checkpoint" in output
     latest = (out_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = int(latest.split("_")[1])
-    assert stopped_at >= 3
+    # Where the signal lands is a race: in a step's training, that step finishes and is checkpointed;
+    # in its generation (the loop's next step started as the checkpoint appeared), the generation is
+    # given up and the checkpoint of the last completed step stays (trainer/loop.py _stop_mid_step).
+    if "generation given up" in output:
+        assert f"SIGINT during step {stopped_at}'s generation" in output, output[-3000:]
+        assert stopped_at >= 2
+    else:
+        assert "SIGINT: checkpoint at step" in output, output[-3000:]
+        assert stopped_at >= 3
     assert max(r["step"] for r in read_metrics(out_dir)) == stopped_at - 1
     out = run(out_dir, server_url, f"trainer.steps={stopped_at + 2}")
     assert f"at step {stopped_at}" in out.stdout
