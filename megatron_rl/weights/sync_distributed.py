@@ -16,13 +16,24 @@ while the calling thread goes on with the export, gathering bucket i+1 (models/w
 a fixed number of collectives per bucket) and copying it into its flat buffer; at most two flat
 buckets exist at once. The learner's collectives and this group's broadcast are on different
 process groups, so the two threads never wait on each other's collectives.
+
+A server lost during a push (killed, OOM, its node gone) is seen in seconds, not at the group's
+timeout: each bucket's broadcast is asynchronous, and the sender waits on the servers' answers
+first. The first server whose request fails (connection refused or reset), or a broadcast that
+fails (gloo notices a closed peer), aborts the update group (NCCL would otherwise wait for the
+dead rank until its timeout, 30 minutes) and raises `WeightSyncError` naming the server. The
+surviving servers' sessions are ended where they still answer (10 s, all at once), and the error
+ends the step: the trainer exits and the launcher requeues the job from the last checkpoint
+(slurm/megatron_rl.sbatch); the servers it starts again join a new group. Every request to a
+server runs on a daemon thread: a process that ends never waits on a server that does not answer.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,20 +52,25 @@ class DistributedWeightSync:
         self.group_name, self.bucket_bytes, self.timeout_s = group_name, bucket_bytes, timeout_s
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.group = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.servers)))
-        # The sender thread's CUDA device is the learner's (a new thread starts on device 0).
-        self._sender = ThreadPoolExecutor(max_workers=1, initializer=(
-            (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None))
 
-    def _all(self, path: str, payload: dict) -> list[dict]:
-        futures = [self._pool.submit(s.post, path, payload, self.timeout_s) for s in self.servers]
+    def _all(self, path: str, payload: dict, timeout_s: float | None = None) -> list[dict]:
+        futures = [background(s.post, path, payload, timeout_s or self.timeout_s) for s in self.servers]
         return [f.result() for f in futures]
+
+    def _end_quietly(self) -> None:
+        """After a failed push: end each server's session where it still answers (10 s, all at once);
+        a server that is gone, or stuck in a broadcast that will not come, is left to the launcher."""
+        for f in [background(s.post, "/end_weight_update", {}, 10.0) for s in self.servers]:
+            try:
+                f.result()
+            except WeightSyncError:
+                pass
 
     def _begin(self) -> None:
         """begin_weight_update on every server. One that does not answer (gone) ends the others' and
         raises ServersUnreachable: nothing was sent and the caller's tensors are untouched; another
         failure ends them and raises as it is."""
-        futures = [self._pool.submit(begin_update, s, self.timeout_s) for s in self.servers]
+        futures = [background(begin_update, s, self.timeout_s) for s in self.servers]
         failed = []
         for s, f in zip(self.servers, futures):
             try:
@@ -86,7 +102,7 @@ class DistributedWeightSync:
         store = host_store(self.master_addr, world, self.master_port)
         self.master_port = store.port
         futures = [
-            self._pool.submit(s.post, "/init_weights_update_group", {
+            background(s.post, "/init_weights_update_group", {
                 "master_address": self.master_addr, "master_port": self.master_port,
                 "rank_offset": off, "world_size": world, "group_name": self.group_name,
                 "backend": self.backend}, self.timeout_s)
@@ -113,34 +129,79 @@ class DistributedWeightSync:
                 del bucket
                 if sending is not None:
                     sending.result()  # one bucket in flight: at most two flat buffers exist
-                sending = self._sender.submit(self._send, flat, payload)
+                sending = background(self._send, flat, payload)
                 nbytes += flat.numel()
                 nbuckets += 1
                 del flat
             if sending is not None:
                 sending.result()
-        finally:
+        except BaseException:
             if sending is not None:
                 sending.exception()  # never end the update while a broadcast is still running
-            self._all("/end_weight_update", {})
+            self._end_quietly()
+            raise
+        self._all("/end_weight_update", {})
         self._all("/flush_cache", {})
         return {"bytes": nbytes, "seconds": time.perf_counter() - start, "buckets": nbuckets}
 
     def _send(self, flat: torch.Tensor, payload: dict) -> None:
-        """One bucket: every server asked to receive it, the broadcast, every server's answer."""
-        futures = [self._pool.submit(s.post, "/update_weights_from_distributed", payload, self.timeout_s)
-                   for s in self.servers]
-        dist.broadcast(flat, src=0, group=self.group)
-        for f in futures:
-            f.result()
+        """One bucket: every server asked to receive it, the broadcast, every server's answer. The
+        answers are awaited first: a server that fails (gone) aborts the group at once."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        answers = {background(s.post, "/update_weights_from_distributed", payload, self.timeout_s): s
+                   for s in self.servers}
+        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        pending = set(answers)
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    self._abort()
+                    e = f.exception()
+                    raise WeightSyncError(
+                        f"rollout server {answers[f].url} failed during the weight push ({e}); the update "
+                        "group is aborted, this step ends", unreachable=getattr(e, "unreachable", False)) from e
+            if pending and work.is_completed():
+                try:
+                    work.wait()  # gloo: a peer that closed its connection fails the broadcast
+                except RuntimeError as e:
+                    self._abort()
+                    raise WeightSyncError(f"the weight push's broadcast failed ({e}); the update group is "
+                                          "aborted, this step ends", unreachable=True) from e
+        work.wait()
+
+    def _abort(self) -> None:
+        """Abort the update group: a broadcast waiting on a dead rank returns (NCCL would wait until
+        the group's timeout), and the group is never used again."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                dist.distributed_c10d._abort_process_group(group)
+            except Exception:  # noqa: BLE001 -- best effort: the step fails either way
+                pass
 
     def close(self) -> None:
         if self.group is not None:
             try:
-                self._all("/destroy_weights_update_group", {"group_name": self.group_name})
+                self._all("/destroy_weights_update_group", {"group_name": self.group_name}, timeout_s=30.0)
             except WeightSyncError:
                 pass  # a server that is already gone has nothing to tear down
             dist.destroy_process_group(self.group)
             self.group = None
-        self._pool.shutdown(wait=False)
-        self._sender.shutdown(wait=False)
+
+
+def background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread: the process may end while a server has not answered (a pool's
+    threads would be joined at exit, for up to a request's timeout)."""
+    future: Future = Future()
+
+    def run():
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name=f"weight-sync-{getattr(fn, '__name__', 'call')}").start()
+    return future

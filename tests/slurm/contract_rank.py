@@ -12,6 +12,11 @@ what came back to <out_dir>/rollout-rank<R>.json. Then each "step" sleeps STEP_S
 SIGUSR1 or SIGTERM a rank finishes its step, rank 0 writes <out_dir>/checkpoints/latest (the
 step reached), every rank records `preempted-rank<R>-attempt<N>` and exits 0. On start it resumes
 from checkpoints/latest. Ranks come from Slurm's variables, as the trainer reads them.
+
+CONTRACT_CRASH=R:K:C makes rank R fail at the K-th step of every attempt: C=1 raises (a
+RuntimeError's traceback, exit 1), C=2 exits 2 with the CLI's one-line configuration error. (srun
+then ends the other rank with SIGTERM, which it takes as a preemption: rank 0, if it is the other,
+checkpoints.)
 """
 
 from __future__ import annotations
@@ -53,9 +58,16 @@ def main(argv: list[str]) -> int:
             with urllib.request.urlopen(req, timeout=120) as r:
                 replies[url] = json.loads(r.read())["output_ids"]
         (out / f"rollout-rank{rank}.json").write_text(json.dumps(replies))
+    crash = [int(x) for x in os.environ["CONTRACT_CRASH"].split(":")] if os.environ.get("CONTRACT_CRASH") else None
+    start = step
     while step < steps:
         time.sleep(STEP_S)
         step += 1
+        if crash and crash[:2] == [rank, step - start]:
+            if crash[2] == 2:
+                print("megatron-rl: error: injected configuration error", file=sys.stderr, flush=True)
+                return 2
+            raise RuntimeError(f"injected failure at step {step}")
         if rank == 0:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "attempt": attempt}) + "\n")

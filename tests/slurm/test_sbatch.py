@@ -14,11 +14,16 @@
     ROLLOUT_TP=1: one server per replica, distinct ports), tiny_cpu for 3 steps on DP=2, weights
     pushed through the gloo process group; the servers' own request logs show every prompt
     answered exactly n times, both servers serving and both on each step's weight version;
+(c') rank failures, launcher side: a stand-in rank that raises in every attempt -> the job requeues
+    itself with the reason in logs/JOB.RESTART/failure.txt, as long as each failure comes after a
+    newer checkpoint, else FAILURE_REQUEUES times in a row, then fails saying so; a configuration
+    error (exit code 2) is not requeued;
 (f) the RL trainer as a job (shrunk tiny_cpu), DP=2 over two srun tasks, rank 0 starting SGLang
     beside them (local placement): the uninterrupted run completes and plots its curves; a job
     whose time limit is lowered as it starts checkpoints before the limit and requeues itself, then
-    USR1 mid-run -> checkpoint, requeue; the third attempt finishes; every step trained exactly once
-    and every metric equal, bit for bit, to the uninterrupted run's.
+    its rollout server is killed during a weight push (the push fails in seconds, the job requeues
+    itself), then learner rank 1 is killed mid-step (requeued again); the fourth attempt finishes; every step trained exactly once and every metric
+    equal, bit for bit, to the uninterrupted run's.
 (The unchanged embedded default as a 60-step job meeting the demo's accuracy bar takes 3-4 minutes
 here: benchmarks/bench_demo_slurm.py; (f) asserts the same job shape and
 tests/e2e/test_readme_byo.py the learning.)
@@ -196,6 +201,61 @@ def test_usr1_checkpoints_requeues_resumes_launcher(slurm_cluster, tmp_path):
     assert lines.count(f"python3 megatron_rl.cli dry-run CUDA_DEVICE_MAX_CONNECTIONS=unset NCCL_NVLS_ENABLE=0 {cache}") == 2, lines
     assert lines.count(f"python3 megatron_rl.cli train-lm CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 {cache}") == 4, lines
     assert len(lines) == 6, lines
+
+
+def test_rank_failure_requeues_with_its_reason_then_gives_up_launcher(slurm_cluster, tmp_path):
+    """A learner rank that fails ends the attempt: the job writes why to logs/JOB.RESTART/failure.txt
+    and RUN_DIR/failures.tsv and requeues itself from the last checkpoint, FAILURE_REQUEUES (here 1)
+    times in a row at most without a newer checkpoint between them:
+    - rank 1 fails at the second step of every attempt; srun's SIGTERM makes rank 0 checkpoint each
+      time, so every failure is at a newer checkpoint and the job goes on until it finishes;
+    - rank 0 fails at the second step of every attempt: no checkpoint is ever written, so the second
+      failure gives up, and the job fails saying so;
+    - a configuration error (a rank's exit code 2) is not requeued at all."""
+    env = {"MRL_COMMAND": "train-lm", "PYTHON": str(HERE / "contract_python.sh"), "REAL_PYTHON": sys.executable,
+           "FAILURE_REQUEUES": "1"}
+    steps = 6
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    jobid = submit(progress, ["tiny_lm_cpu", f"train.steps={steps}"], env | {"CONTRACT_CRASH": "1:2:1"})
+    info = wait_for(jobid, progress, timeout=300, release_requeued=True)
+    log = job_log(progress, jobid)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
+    restarts = int(info["Restarts"])
+    assert restarts >= 2 and log.count("failure 1 of at most 1 in a row without a newer checkpoint") == restarts, log
+    rows = [r.split("\t") for r in (progress / "run" / "failures.tsv").read_text().splitlines()]
+    assert [r[0] for r in rows] == [f"{jobid}.{k}" for k in range(restarts)], rows
+    assert len({r[1] for r in rows}) == restarts and rows[0][1] != "none", rows  # a newer checkpoint each time
+    assert (progress / "run" / "finished-rank1").read_text() == str(steps)
+    failure = (progress / "run" / "logs" / f"{jobid}.0" / "failure.txt").read_text()
+    assert f"job {jobid}, restart 0, " in failure and "task 1: Exited with exit code 1" in failure, failure
+    assert f"learner-rank1-{HOST}.log: RuntimeError: injected failure at step 2" in failure, failure
+
+    run = tmp_path / "run"
+    jobid = submit(tmp_path, ["tiny_lm_cpu", f"train.steps={steps}"], env | {"CONTRACT_CRASH": "0:2:1"})
+    info = wait_for(jobid, tmp_path, timeout=180, release_requeued=True)
+    log = job_log(tmp_path, jobid)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "1", log
+    for attempt in (0, 1):
+        failure = (run / "logs" / f"{jobid}.{attempt}" / "failure.txt").read_text()
+        assert f"job {jobid}, restart {attempt}, " in failure and "latest checkpoint: none" in failure, failure
+        assert f"learner-rank0-{HOST}.log: RuntimeError: injected failure at step 2" in failure, failure
+        assert "task 0: Exited with exit code 1" in failure, failure
+    assert "failure 1 of at most 1 in a row without a newer checkpoint (latest: none)" in log, log
+    assert log.count("requeueing job") == 1, log
+    assert "given up after 2 failures in a row at checkpoint none (FAILURE_REQUEUES=1" in log, log
+    rows = [r.split("\t") for r in (run / "failures.tsv").read_text().splitlines()]
+    assert [r[:2] for r in rows] == [[f"{jobid}.0", "none"], [f"{jobid}.1", "none"]], rows
+    assert "task 0: Exited with exit code 1" in rows[0][2], rows
+
+    config = tmp_path / "config"
+    config.mkdir()
+    jobid = submit(config, ["tiny_lm_cpu", f"train.steps={steps}"], env | {"CONTRACT_CRASH": "1:1:2"})
+    info = wait_for(jobid, config, timeout=120)
+    log = job_log(config, jobid)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "0", log
+    assert "learner ranks failed with a configuration error, not requeued" in log, log
+    assert "megatron-rl: error: injected configuration error" in log and "requeueing" not in log, log
 
 
 def test_disaggregated_sglang_server(slurm_cluster, tmp_path):
@@ -482,16 +542,36 @@ def release(jobid: str, tmp_path: Path, restarts: int, timeout: float = 300, **u
                     *(f"{k}={v}" for k, v in update.items())], check=True)
 
 
+def kill_rank(jobid: str, rank: int) -> int:
+    """SIGKILL learner rank `rank` of the job (the `megatron_rl.cli` process srun started with that
+    SLURM_PROCID; not the servers or workers it started). Returns its PID."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        env, cmd = p.info["environ"] or {}, " ".join(p.info["cmdline"] or [])
+        if (env.get("SLURM_JOB_ID") == jobid and env.get("SLURM_PROCID") == str(rank)
+                and "megatron_rl.cli train" in cmd):
+            p.kill()
+            return p.pid
+    raise AssertionError(f"job {jobid}: no learner rank {rank} to kill")
+
+
 @pytest.mark.xfail(not _has_rl_trainer(), reason="needs the RL trainer", strict=False)
-def test_time_limit_and_usr1_checkpoint_requeue_resume_rl_trainer(slurm_cluster, tmp_path):
-    """Two interruptions of one job, every step trained exactly once, and the metrics equal, bit for
+def test_interruptions_and_failures_requeue_and_resume_rl_trainer(slurm_cluster, tmp_path):
+    """Three interruptions of one job, every step trained exactly once, and the metrics equal, bit for
     bit, to an uninterrupted run's (seeded sampling, batch-invariant SGLang on CPU, exact resume):
     - attempt 0: a 3-minute time limit (squeue's end time is what the trainer reads; that it follows
       `scontrol update TimeLimit=` is tests/unit/test_operations.py's). Before a step that, with a
       save and trainer.time_limit_margin, would not fit, the ranks checkpoint and exit, and the job
       requeues itself (USR1 is set to come only 5 s before the end: it is not what stops them);
-    - attempt 1 (released with no limit): USR1 mid-run -> checkpoint, exit, requeue;
-    - attempt 2 finishes."""
+    - attempt 1 (released with no limit): the rollout server is killed during the weight push after
+      the attempt's first step (tests/slurm/faults/sitecustomize.py: the server asked to receive,
+      killed before the broadcast). Rank 0 sees it at once and fails, srun ends rank 1, and the job
+      requeues itself with the reason in logs/JOB.1/failure.txt;
+    - attempt 2: learner rank 1 is killed (SIGKILL) mid-step: a failure again, requeued;
+    - attempt 3 finishes.
+    (USR1 takes the trainer's SIGTERM path, tests/unit/test_run_dir.py and tests/e2e/test_trainer.py;
+    its way through the launcher is test_usr1_checkpoints_requeues_resumes_launcher's.)"""
     straight_dir = tmp_path / "straight"
     straight_dir.mkdir()
     jobid = submit(straight_dir, [o for o in RL_RECIPE if o != "trainer.plot=false"], {})  # the recipe plots
@@ -503,29 +583,44 @@ def test_time_limit_and_usr1_checkpoint_requeue_resume_rl_trainer(slurm_cluster,
     straight = rl_rows(straight_dir / "run")
 
     run = tmp_path / "run"
+    faults = {"PYTHONPATH": os.pathsep.join(filter(None, [str(HERE / "faults"), os.environ.get("PYTHONPATH")])),
+              "MRL_TEST_KILL_SERVER_AT": "1:2"}
     # A 3-minute job against a margin of 170 s: the ranks stop after their first step (server start
     # and the first step take more than 10 s here) with about two and a half minutes to spare.
-    jobid = submit(tmp_path, [*RL_RECIPE, "trainer.time_limit_margin=170"], {},
+    jobid = submit(tmp_path, [*RL_RECIPE, "trainer.time_limit_margin=170"], faults,
                    sbatch_opts=("--nodes=1", "--ntasks=2", "--time=3", "--signal=B:USR1@5"))
     release(jobid, tmp_path, restarts=1, TimeLimit="UNLIMITED")
     attempt0 = (run / "logs" / f"{jobid}.0" / f"learner-rank0-{HOST}.log").read_text()
     assert "time limit (" in attempt0 and "trainer.time_limit_margin=170s" in attempt0, attempt0[-3000:]
     stopped = len(rl_rows(run))
-    assert 1 <= stopped < RL_STEPS - 2, stopped
+    assert 1 <= stopped < RL_STEPS - 3, stopped
 
-    wait_until(lambda: len(rl_rows(run)) >= stopped + 1, 300, "a step of attempt 1", jobid, tmp_path)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", jobid], check=True)
-    release(jobid, tmp_path, restarts=2)
+    release(jobid, tmp_path, restarts=2)  # attempt 1 failed at its second push
+    failure1 = (run / "logs" / f"{jobid}.1" / "failure.txt").read_text()
+    assert f"job {jobid}, restart 1" in failure1 and f"latest checkpoint: step_{stopped:08d}" in failure1, failure1
+    assert (f"learner-rank0-{HOST}.log: megatron_rl.weights.endpoint.WeightSyncError: rollout server "
+            "http://127.0.0.1:") in failure1 and "failed during the weight push" in failure1, failure1
+    assert "task 0: Exited with exit code 1" in failure1, failure1
+    rank0 = (run / "logs" / f"{jobid}.1" / f"learner-rank0-{HOST}.log").read_text()
+    assert "[fault injection] killed 1 rollout server(s) during a weight push" in rank0, rank0[-3000:]
+
+    done = len(rl_rows(run))
+    wait_until(lambda: len(rl_rows(run)) >= done + 1, 300, "a step of attempt 2", jobid, tmp_path)
+    kill_rank(jobid, 1)
+    release(jobid, tmp_path, restarts=3)
+    failure2 = (run / "logs" / f"{jobid}.2" / "failure.txt").read_text()
+    assert "task 1: Killed" in failure2, failure2
+
     info = wait_for(jobid, tmp_path, timeout=500, release_requeued=True)
     log = job_log(tmp_path, jobid)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert info["Restarts"] == "2" and log.count("requeueing job") == 2, log
+    assert info["Restarts"] == "3" and log.count("requeueing job") == 3, log
     assert "learner ranks stopped before the time limit: stopped at step" in log, log
-    assert "learner ranks checkpointed and exited" in log, log  # USR1
+    failures = [line.split("\t") for line in (run / "failures.tsv").read_text().splitlines()]
+    assert [f[0] for f in failures] == [f"{jobid}.1", f"{jobid}.2"], failures
+    assert log.count("in a row without a newer checkpoint") == 2, log
     assert not (run / "requeue").exists()
     assert_two_ranks(run, jobid, log)
-    rank0 = (run / "logs" / f"{jobid}.1" / f"learner-rank0-{HOST}.log").read_text()
-    assert "SIGUSR1" in rank0, rank0[-3000:]
     preempted = rl_rows(run)
     assert [r["step"] for r in preempted] == list(range(RL_STEPS))  # every step exactly once
     for a, b in zip(stable(straight), stable(preempted), strict=True):

@@ -112,3 +112,58 @@ def test_servers_are_asked_their_version_all_at_once(monkeypatch):
     start = time.monotonic()
     assert r.answering(wait_s=0) == {"http://a:3": "3", "http://b:4": "4"}
     assert time.monotonic() - start < 1.2  # 3 dead servers one after another: 1.5 s
+
+
+def test_a_server_lost_mid_push_fails_the_push_in_seconds_and_aborts_the_group():
+    """A server that dies after it was asked to receive a bucket (its request fails: connection
+    reset) ends the push at once, while another server still waits in the broadcast (as a survivor
+    would wait in an NCCL broadcast that never comes): the group is aborted, the error names the
+    lost server, the survivors' sessions are ended, and the export is not read further. Before,
+    the learner waited in the broadcast until the group's timeout (NCCL: 30 minutes)."""
+    import threading
+    import time
+
+    from megatron_rl.weights.process_group import host_store, new_side_group
+
+    stuck = threading.Event()
+
+    class Lost(Endpoint):
+        def post(self, path, payload=None, timeout=600.0):
+            if path == "/update_weights_from_distributed":
+                time.sleep(0.2)
+                self.gone = True  # killed while it receives
+            return super().post(path, payload, timeout)
+
+    class Waiting(Endpoint):
+        def post(self, path, payload=None, timeout=600.0):
+            if path == "/update_weights_from_distributed":
+                stuck.wait(timeout)  # never answers: its broadcast does not come
+            return super().post(path, payload, timeout)
+
+    ok, lost, waiting = Endpoint("http://a:1"), Lost("http://b:2"), Waiting("http://c:3")
+    # The waiting one first: answers awaited in order would wait on it for the request timeout.
+    t = DistributedWeightSync([waiting, ok, lost], master_addr="127.0.0.1", bucket_bytes=64, timeout_s=60)
+    store = host_store("127.0.0.1", 1)
+    t.group = new_side_group("gloo", f"tcp://127.0.0.1:{store.port}", world_size=1, rank=0,
+                             group_name="test_lost_mid_push", store=store)  # the learner alone
+    read = []
+
+    def named():
+        for i in range(8):  # 8 buckets of 64 bytes
+            read.append(i)
+            yield f"layers.{i}.weight", torch.zeros(16)
+
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"rollout server http://b:2 failed during the weight push "
+                                                  r"\(.*Connection refused.*\); the update group is aborted") as e:
+            t.push(named(), weight_version="4")
+        assert time.monotonic() - start < 3.0
+        assert e.value.unreachable
+        assert t.group is None  # aborted: never used again (the trainer forms a new one)
+        # bucket 0 in flight, bucket 1 exported and waiting (its end seen by reading tensor 2): no more
+        assert read == [0, 1, 2]
+        assert ok.calls[-1] == "/end_weight_update" and waiting.calls[-1] == "/end_weight_update"
+        assert not ok.open and not waiting.open
+    finally:
+        stuck.set()
