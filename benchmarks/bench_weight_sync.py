@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -52,49 +50,6 @@ def _receive(addr: str, port: int, group_name: str, sizes: list[int], rounds: in
         for n in sizes:
             dist.broadcast(torch.empty(n, dtype=torch.uint8), src=0, group=group)
     dist.destroy_process_group(group)
-
-
-def _stand_in(conn) -> None:
-    """A server's side of the update group, loading nothing: answers `StandIn.post`."""
-    import torch.distributed as dist
-
-    from megatron_rl.weights.process_group import new_side_group
-
-    group = None
-    while True:
-        path, p = conn.recv()
-        if path == "/init_weights_update_group":
-            group = new_side_group(p["backend"], f"tcp://{p['master_address']}:{p['master_port']}",
-                                   world_size=p["world_size"], rank=p["rank_offset"], group_name=p["group_name"])
-        elif path == "/update_weights_from_distributed":
-            n = 1
-            for shape, dtype in zip(p["shapes"], p["dtypes"]):
-                n += math.prod(shape) * getattr(torch, dtype).itemsize
-            dist.broadcast(torch.empty(n - 1, dtype=torch.uint8), src=0, group=group)
-        elif path == "/destroy_weights_update_group":
-            dist.destroy_process_group(group)
-            conn.send({})
-            return
-        conn.send({})
-
-
-class StandIn:
-    """A ServerEndpoint look-alike whose server is `_stand_in` in its own process (a pipe, not HTTP)."""
-
-    url, tp_size = "stand-in", 1
-
-    def __init__(self):
-        import torch.multiprocessing as mp
-
-        self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=_stand_in, args=(child,))
-        self.proc.start()
-        self.lock = threading.Lock()
-
-    def post(self, path: str, payload: dict | None = None, timeout: float = 600.0) -> dict:
-        with self.lock:
-            self.conn.send((path, payload or {}))
-            return self.conn.recv()
 
 
 def plain_broadcast(flats: list[torch.Tensor], rounds: int) -> list[float]:
@@ -139,6 +94,7 @@ def main() -> None:
     from megatron_rl.weights.buckets import bucketize
     from megatron_rl.weights.endpoint import ServerEndpoint
     from megatron_rl.weights.push import push_weights
+    from megatron_rl.weights.standin import StandIn  # shared with tests/distributed/test_weight_export.py
     from megatron_rl.weights.sync_distributed import DistributedWeightSync
     from megatron_rl.weights.sync_tensor import TensorWeightSync
 

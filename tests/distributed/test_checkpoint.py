@@ -26,14 +26,16 @@ from megatron_rl.models.tiny import make_tiny_checkpoint
 pytestmark = pytest.mark.slow
 
 
-def _learner(hf_path):
+def _learner(hf_path, tp=2, pp=1):
+    """A learner on the tiny model at TP `tp` x PP `pp`. The default, TP 2: both ranks write shards of
+    their own (replicas are written once). Shared with test_checkpoint_spread.py."""
     from megatron_rl.config.schema import JobConfig, ParallelConfig
     from megatron_rl.distributed.context import init_distributed
     from megatron_rl.learner.learner import Learner
 
     cfg = JobConfig()
     cfg.model.hf_path = hf_path
-    cfg.parallel = ParallelConfig(tp=2)  # both ranks write shards of their own (replicas are written once)
+    cfg.parallel = ParallelConfig(tp=tp, pp=pp)
     cfg.optim.lr, cfg.optim.adam_eps = 1e-2, 1e-3
     ctx = init_distributed(cfg.parallel)
     return Learner(cfg, ctx, run_dir="/nonexistent"), ctx
@@ -46,11 +48,30 @@ def _batch(step: int) -> dict[str, torch.Tensor]:
 
 
 def _state(learner) -> dict[str, torch.Tensor]:
-    out = {f"param/{n}": p.detach().clone() for m in learner.model for n, p in m.named_parameters()}
-    for i, st in enumerate(learner.optimizer.optimizer.state.values()):  # torch's Adam under Megatron's
-        for k, v in st.items():
-            if torch.is_tensor(v):
-                out[f"adam/{i}/{k}"] = v.clone()
+    """This rank's parameters and Adam moments, named by parameter, with the model's global layer
+    numbers (at PP > 1 a stage's layers are numbered from 0 in the module: its `layer_number` says
+    which it is), so that the states of two pipeline layouts compare name by name."""
+    import re
+
+    names = {}
+    for chunk in learner.model:
+        layers = {n: m.layer_number - 1 for n, m in chunk.named_modules()
+                  if re.search(r"decoder\.layers\.\d+$", n) and hasattr(m, "layer_number")}
+
+        def global_name(n):
+            m = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", n)
+            return n if m is None else f"{m[1]}{layers[m[1] + m[2]]}{m[3]}"
+
+        for n, p in chunk.named_parameters():
+            names[p] = global_name(n)
+    out = {f"param/{n}": p.detach().clone() for p, n in names.items()}
+    # torch's Adam under Megatron's (fp32 on CPU: its state is keyed by the model's parameters); a
+    # model with experts has two, one for the dense parameters and one for the experts' (a ChainedOptimizer)
+    for opt in getattr(learner.optimizer, "chained_optimizers", [learner.optimizer]):
+        for p, st in opt.optimizer.state.items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    out[f"adam/{names[p]}/{k}"] = v.clone()
     return out
 
 

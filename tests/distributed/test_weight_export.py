@@ -1,12 +1,29 @@
-"""The bucketed export (models/weight_export.py) against mbridge's per-parameter one, over gloo.
+"""The bucketed export (models/weight_export.py) against mbridge's per-parameter one, over gloo; in
+the same world-2 process group, the pipelined push and the memory estimate's parameters per rank.
 
-Every layout the learner runs on CPU with a weight that is gathered differently: TP2 (dense fp32
-and bf16, MoE with replicated experts), PP2, PP2xVPP2, EP2, TP2xEP2, TP2xETP2, and at world 4
+Export: every layout the learner runs on CPU with a weight that is gathered differently: TP2 (dense
+fp32 and bf16, MoE with replicated experts), PP2, PP2xVPP2, EP2, TP2xEP2, TP2xETP2, and at world 4
 EP2xETP2 and PP2xEP2. On every rank the bucketed export yields the same (HF name, tensor) pairs in
 the same order as upstream's `export_weights_per_parameter`, bit for bit, with one bucket per stage
 and with buckets of 64 KiB (its plan cached between exports); and it runs at most 4 collectives per
 bucket (counted by wrapping torch.distributed's functions), while upstream's runs several per
 parameter.
+
+Pipelined push: a learner at TP2 (rank 0 sends, rank 1 only takes part in the export's gathers) ->
+`DistributedWeightSync` with 64 KiB buckets (many buckets: the export of bucket i+1 overlaps the
+broadcast of bucket i) -> a stand-in server in its own process (megatron_rl/weights/standin.py) that
+joins the update group as SGLang does, receives every `flattened_bucket` broadcast and rebuilds the
+tensors from (names, dtypes, shapes). Every received tensor equals upstream's export bit for bit, and
+the whole push asks for a number of collectives that grows with the buckets, not with the parameters.
+
+Parameters per rank: the memory estimate's `params_per_rank` (megatron_rl/models/memory.py) against
+real Megatron-Core models: each rank's dense and expert parameters (numel) at TP 2 (sequence parallel,
+a vocabulary Megatron pads), PP 2, EP 2 and TP 2 x EP 2, the estimate being the rank that holds the
+most.
+
+The three parts run one after the other in one spawned process group of 2 (Megatron's parallel state
+rebuilt for each layout, as in test_learner_layouts.py): one spawn instead of three. A failure names
+its part (`export`, `params per rank`, `push`).
 """
 
 from __future__ import annotations
@@ -99,12 +116,89 @@ DENSE = {"tp2": ("dense", {"tp": 2}), "tp2_bf16": ("dense", {"tp": 2}), "pp2": (
 MOE = {"moe_tp2": ("moe", {"tp": 2}), "ep2": ("moe", {"ep": 2}), "tp2_ep2": ("moe", {"tp": 2, "ep": 2}),
        "tp2_etp2": ("moe", {"tp": 2, "etp": 2})}
 WORLD4 = {"ep2_etp2": ("moe", {"tp": 2, "ep": 2, "etp": 2}), "pp2_ep2": ("moe", {"pp": 2, "ep": 2})}
+# Parameters per rank: {name: (model, parallel)}, on the 300-row vocabulary checkpoints
+COUNT_LAYOUTS = {
+    "dense_tp2": ("dense_v300", dict(tp=2)),
+    "dense_pp2": ("dense_v300", dict(pp=2)),
+    "moe_ep2": ("moe_v300", dict(ep=2)),
+    "moe_tp2_ep2": ("moe_v300", dict(tp=2, ep=2)),
+}
+BUCKET = 64 << 10  # the push's buckets
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     return {"dense": str(make_tiny_checkpoint(tmp_path_factory.mktemp("dense"), num_layers=4)),
-            "moe": str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True, num_layers=2))}
+            "moe": str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), moe=True, num_layers=2)),
+            # 300 rows: Megatron pads them to 512 at TP 2 (a multiple of 128 x 2), 384 at TP 1
+            "dense_v300": str(make_tiny_checkpoint(tmp_path_factory.mktemp("dense_v300"), vocab_size=300)),
+            "moe_v300": str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe_v300"), moe=True, vocab_size=300))}
+
+
+def count_part(rank, world_size, paths, layouts):
+    """Each layout's (dense, expert) parameters (numel) on this rank, in real built models."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_rl.config.schema import ModelConfig, ParallelConfig
+    from megatron_rl.distributed.context import init_distributed
+    from megatron_rl.models.bridge import build_model_chunks, make_bridge
+
+    out = {}
+    for name, (which, parallel) in layouts.items():
+        ctx = init_distributed(ParallelConfig(**parallel))
+        model_parallel_cuda_manual_seed(0)  # the init's RNG states (the CPU layer stands in for CUDA's)
+        bridge = make_bridge(paths[which], ModelConfig(hf_path=paths[which], dtype="float32", spec="local"), ctx)
+        params = [(n, p) for chunk in build_model_chunks(bridge, ctx) for n, p in chunk.named_parameters()]
+        out[name] = (sum(p.numel() for n, p in params if ".mlp.experts." not in n),
+                     sum(p.numel() for n, p in params if ".mlp.experts." in n))
+    return out
+
+
+def push_part(rank, world_size, hf_path):
+    """A learner at TP2 pushes to a stand-in server through DistributedWeightSync (rank 0 sends);
+    rank 0 returns upstream's export, what the stand-in received, the push's stats and collectives."""
+    import torch.distributed as dist
+
+    from megatron_rl.config.schema import JobConfig, ParallelConfig
+    from megatron_rl.distributed.context import init_distributed
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.weights.push import push_weights
+    from megatron_rl.weights.standin import StandIn
+    from megatron_rl.weights.sync_distributed import DistributedWeightSync
+
+    cfg = JobConfig()
+    cfg.model.hf_path = hf_path
+    cfg.parallel = ParallelConfig(tp=2)
+    ctx = init_distributed(cfg.parallel)
+    learner = Learner(cfg, ctx, run_dir="/nonexistent")
+    ref = [(n, t.clone()) for n, t in learner.bridge.export_weights_per_parameter(learner.model)]
+    transport = None
+    if rank == 0:
+        server = StandIn(keep=True)
+        transport = DistributedWeightSync([server], master_addr="127.0.0.1", bucket_bytes=BUCKET)
+        transport.connect()
+    with counted() as calls:
+        stats = push_weights(learner, transport, weight_version="v1", bucket_bytes=BUCKET)
+    dist.barrier()
+    if rank != 0:
+        return None
+    transport.close()
+    server.proc.join()
+    return dict(ref=ref, received=server.received, stats=stats, calls=dict(calls))
+
+
+def world2_worker(rank, world_size, paths):
+    """The world-2 process group: the export's layouts, the parameters per rank, the push."""
+    parts = (("export", lambda: export_worker(rank, world_size, paths, {**DENSE, **MOE})),
+             ("params per rank", lambda: count_part(rank, world_size, paths, COUNT_LAYOUTS)),
+             ("push", lambda: push_part(rank, world_size, paths["dense"])))
+    out = {}
+    for part, run in parts:
+        try:
+            out[part] = run()
+        except Exception as e:
+            raise RuntimeError(f"part {part!r} failed on rank {rank}: {type(e).__name__}: {e}") from e
+    return out
 
 
 def _check(results, layouts):
@@ -112,18 +206,52 @@ def _check(results, layouts):
         for name in layouts:
             r = rank_out[name]
             # Upstream: several collectives per parameter; here at most 4 per bucket + the plan's one.
-            assert r["upstream"] >= 4 * r["n_params"], (name, r)
+            assert r["upstream"] >= 4 * r["n_params"], ("export", name, r)
             for label in ("one", "small"):
                 calls = sum(r[label]["calls"].values())
-                assert calls <= 1 + 4 * r[label]["buckets"], (name, label, r)
-            assert r["small"]["buckets"] > r["one"]["buckets"], (name, r)
-            assert sum(r["one"]["calls"].values()) <= 12, (name, r)  # one bucket per stage
+                assert calls <= 1 + 4 * r[label]["buckets"], ("export", name, label, r)
+            assert r["small"]["buckets"] > r["one"]["buckets"], ("export", name, r)
+            assert sum(r["one"]["calls"].values()) <= 12, ("export", name, r)  # one bucket per stage
+
+
+def _check_counts(ranks, paths):
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.models.memory import Layout, model_dims, params_per_rank
+
+    for name, (which, parallel) in COUNT_LAYOUTS.items():
+        tp = parallel.get("tp", 1)
+        lay = Layout(world_size=2, tp=tp, pp=parallel.get("pp", 1), ep=parallel.get("ep", 1),
+                     sequence_parallel=tp > 1)
+        built = [r[name] for r in ranks]
+        estimated = params_per_rank(model_dims(ModelConfig(hf_path=paths[which])), lay)
+        assert estimated == (max(b[0] for b in built), max(b[1] for b in built)), \
+            ("params per rank", name, built, estimated)
+
+
+def _check_push(out):
+    ref, received = out["ref"], out["received"]
+    assert set(received) == {n for n, _ in ref}, "push: the stand-in did not receive every exported name"
+    for name, t in ref:
+        got = torch.frombuffer(bytearray(received[name]), dtype=t.dtype).view(t.shape)
+        assert torch.equal(got, t), f"push: {name} differs after the push"
+    stats, calls = out["stats"], out["calls"]
+    assert stats["buckets"] > 5 and stats["bytes"] == sum(t.numel() * t.element_size() for _, t in ref), \
+        ("push", stats)
+    # The side group's broadcast once per bucket, the export's TP gather once per bucket of its own
+    # (the same size): O(buckets), where upstream's export alone asks for several per parameter.
+    assert calls.get("broadcast", 0) == stats["buckets"], ("push", calls)
+    assert sum(calls.values()) <= 2 * stats["buckets"] + 2, ("push", calls, stats, len(ref))
 
 
 @pytest.mark.slow
-def test_bucketed_export_is_upstreams_at_world_2(paths):
-    layouts = {**DENSE, **MOE}
-    _check(run_distributed(export_worker, 2, paths, layouts), layouts)
+def test_export_push_and_params_per_rank_at_world_2(paths):
+    """One process group of 2: the bucketed export is upstream's (every world-2 layout), the
+    estimate's parameters per rank are the built models', the pipelined push delivers upstream's
+    export to a stand-in server."""
+    ranks = run_distributed(world2_worker, 2, paths)
+    _check([r["export"] for r in ranks], {**DENSE, **MOE})
+    _check_counts([r["params per rank"] for r in ranks], paths)
+    _check_push(ranks[0]["push"])
 
 
 @pytest.mark.slow

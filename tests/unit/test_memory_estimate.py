@@ -5,7 +5,8 @@
   dense shape term by term;
 - its parameter count against real models: the HF transformers model of tiny_qwen3 / tiny_qwen3_moe
   (TP 1), and an independent count (models/layout.py `parameter_count`); the per-rank split of a
-  real Megatron model at TP 2, PP 2, EP 2 is tests/distributed/test_memory_params.py;
+  real Megatron model at TP 2, PP 2, EP 2 is in tests/distributed/test_weight_export.py
+  (its world-2 process group);
 - the dry-run of the paper recipe at the three layouts for 3 and 4 nodes (2+1, 2+2, 3+1), launched
   as the sbatch launches it: each passes and prints its learner line; an over-memory layout is
   refused, naming what would fit;

@@ -12,6 +12,7 @@ import pytest
 
 from patches import sglang_cpu, sglang_fixes
 from patches._guard import UnsupportedVersionError
+from test_compact_records import INSTALLED_SGLANG_CHECK as COMPACT_RECORDS_CHECK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,9 +45,28 @@ def test_torchvision_stays_out_of_site_packages():
     assert (Path(sys.prefix) / "sglang-cpu-extras" / "torchvision").is_dir()
 
 
+def run_parts(parts: dict[str, str], timeout: float) -> None:
+    """Run each part's code, in order, in one fresh interpreter (importing SGLang there is most of
+    the time: one interpreter for several checks), each part in a namespace of its own; a failure
+    names the part it happened in."""
+    script = textwrap.dedent("""
+        import sys
+        for name, src in PARTS:
+            print("part:", name, flush=True)
+            exec(compile(src, "<part " + name + ">", "exec"), {"__name__": "__part__"})
+        print("OK")
+    """).replace("PARTS", repr(list(parts.items())))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+    started = [line[len("part: "):] for line in out.stdout.splitlines() if line.startswith("part: ")]
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("OK"), \
+        f"part {started[-1] if started else None!r} failed:\n" + out.stdout[-2000:] + out.stderr[-4000:]
+
+
 @pytest.mark.slow
 def test_applies_to_installed_sglang():
-    """In a fresh interpreter: every piece applies and behaves as documented."""
+    """In a fresh interpreter: every piece applies and behaves as documented (part "patches"); then,
+    in the same interpreter, tests/unit/test_compact_records.py's check of the patched detokenizer and
+    SGLang's flat top-K (part "compact records")."""
     code = textwrap.dedent(
         """
         import os, torch
@@ -108,12 +128,9 @@ def test_applies_to_installed_sglang():
         inner = TokenizerManager.sigterm_watchdog.__closure__[0].cell_contents
         assert TokenizerManager.sigterm_watchdog._megatron_rl_fixed and inner.__name__ == "sigterm_watchdog"
         assert not hasattr(inner, "_megatron_rl_fixed")
-        print("OK")
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         timeout=300)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+    run_parts({"patches": code, "compact records": COMPACT_RECORDS_CHECK}, timeout=300)
 
 
 def _murmur3_x86_32(key: bytes, seed: int = 0) -> int:
