@@ -100,6 +100,7 @@ class LearnerConfig:
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (sequences x its longest, padded); 0 = micro_batch_size sequences each
     pad_to_multiple_of: int = 8  # pad sequence length (x TP when sequence parallel)
     memory_limit: float = 0.95  # share of the GPU's memory one learner rank's estimated peak may take: dry-run and train refuse a layout above it, naming what to change (models/memory.py); 0 = no check
+    pack_sequences: bool = False  # each micro-batch's sequences end to end in one row, no padding between them (THD, cumulative lengths; batch/packing.py): token-budget micro-batches stop paying for padding in every layer; model.spec=torch; not with algorithm.router_replay=r2; the critic and reward models keep padded rows
     loss_kernel: str = "auto"  # auto (triton on CUDA where it imports, else torch) | torch (chunked torch ops, the reference) | triton (fused Triton kernels over the vocab shard: one read forward, one read + gradient write backward; CUDA, vocab_parallel/triton_kernels.py)
 
 

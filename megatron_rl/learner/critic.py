@@ -51,6 +51,8 @@ class ScalarHeadLearner(Learner):
     checkpoint's `score.weight` if it has one, else a fresh head drawn from `cfg.model.seed`).
     """
 
+    packs = False  # learner.pack_sequences: its closures read [b, s, 1] rows as they are
+
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, run_dir: str, total_steps: int = 1, *,
                  trainable: bool = True, head_init: str = "auto",
                  head_init_std: Optional[float] = None):

@@ -36,12 +36,13 @@ from megatron_rl.config.schema import JobConfig
 from patches.megatron_cpu import device_mode_paused
 from megatron_rl.distributed.context import ParallelContext
 from megatron_rl.learner.losses import masked_nll_loss, token_logprobs
+from megatron_rl.batch.packing import packed_positions, packing, per_token, unpacked
 from megatron_rl.batch import (
     RolloutBatch, empty_micro_batch, no_route, padded_len, plan_micro_batches, route_dtype, route_fill,
     split_micro_batches, widen_routes,
 )
 from megatron_rl.models.bridge import (
-    build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path,
+    build_model_chunks, load_hf_weights, make_bridge, resolve_dtype, resolve_hf_path, resolve_spec,
 )
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -138,6 +139,8 @@ class Learner:
     chunks and forward passes, no DDP grad buffers, no optimizer.
     """
 
+    packs = True  # learner.pack_sequences applies (its loss closures unpack per-token outputs)
+
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, run_dir: str, total_steps: int = 1,
                  *, trainable: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -156,6 +159,12 @@ class Learner:
         if self.dtype != torch.float32:
             chunks = [Float16Module(self.config, c) for c in chunks]
         self.vocab_size = self.bridge.hf_config.vocab_size
+        # Packed micro-batches (batch/packing.py): token-budget ones only; the loss closures
+        # unpack what they compute per token. Scalar-head learners (critic.py) keep padded rows.
+        self.pack = cfg.learner.pack_sequences and self.packs
+        if self.pack and resolve_spec(cfg.model.spec) != "torch":
+            raise ValueError(f"learner.pack_sequences=true needs model.spec=torch (packed attention); "
+                             f"model.spec={cfg.model.spec} runs {resolve_spec(cfg.model.spec)} here")
         if not trainable:
             self._init_forward_only(chunks)
             return
@@ -290,8 +299,12 @@ class Learner:
             else:
                 mb = batch.micro_batch(idx, padded_len(int(lens[idx].max()), mult))
             mb = to_device(mb, device)
-            mb["position_ids"] = torch.arange(mb["input_ids"].shape[1], device=device).expand(
-                mb["input_ids"].shape[0], -1)
+            b, S = mb["input_ids"].shape
+            if self.pack:  # the sequences end to end: [1, T], T = their lengths' sum
+                pk = packing(lens[idx] if idx is not None else torch.tensor([S], device="cpu"), S, mult)
+                mb["packing"], mb["position_ids"] = pk.to(device), packed_positions(pk, device)
+            else:
+                mb["position_ids"] = torch.arange(S, device=device).expand(b, -1)
             return mb
 
         makers = [partial(make, idx) for idx in plan]
@@ -320,13 +333,18 @@ class Learner:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)()
             chunk = self._chunk_index[id(model)]
+            pk = mb.get("packing")
             if replay is not None and replay.mode == "replay" and "routed_experts" in mb:
                 # Routes travel compact (uint8 for up to 255 experts, 8x less than int64) and are
-                # widened here, on the device, for the router replay.
-                mb = {**mb, "routed_experts": widen_routes(mb["routed_experts"])}
+                # widened here, on the device, for the router replay (packed like the tokens).
+                routes = widen_routes(mb["routed_experts"])
+                mb = {**mb, "routed_experts": pk.pack(routes, fill=-1) if pk is not None else routes}
             if replay is not None:
                 replay.before_forward(chunk, mb)
-            output = model(mb["input_ids"], mb["position_ids"], None)
+            if pk is not None:
+                output = model(pk.pack(mb["input_ids"]), mb["position_ids"], None, packed_seq_params=pk.params)
+            else:
+                output = model(mb["input_ids"], mb["position_ids"], None)
             if replay is not None:
                 replay.after_forward(chunk, mb)
             return output, partial(self._loss_closure, loss_fn, mb)
@@ -447,8 +465,8 @@ class Learner:
         def collect(logits_BSV, mb, tp_group, vocab_size):
             if temperature != 1.0:
                 logits_BSV = logits_BSV / temperature
-            logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
-            return logits_BSV.new_zeros(()), {"logp": logp}
+            logp = token_logprobs(logits_BSV, per_token(mb, "labels"), tp_group, vocab_size)
+            return logits_BSV.new_zeros(()), {"logp": unpacked(mb, logp)}
 
         if isinstance(batch, RolloutBatch):
             S = int(batch.seq_lens.max()) if len(batch) else 0

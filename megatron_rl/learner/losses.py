@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_rl.batch.packing import per_token, unpacked
 from megatron_rl.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -25,7 +26,7 @@ def token_logprobs(logits_BSV, labels_BS, tp_group, vocab_size: int):
 
 def masked_nll_loss(logits_BSV, mb, tp_group, vocab_size, *, denom: float):
     """Σ_masked −log π(label) / denom, with denom the global count of masked tokens."""
-    logp = token_logprobs(logits_BSV, mb["labels"], tp_group, vocab_size)
+    logp = unpacked(mb, token_logprobs(logits_BSV, per_token(mb, "labels"), tp_group, vocab_size))
     mask = mb["loss_mask"].float()
     nll_sum = -(logp * mask).sum()
     return nll_sum / denom, {"loss": nll_sum.detach() / denom, "tokens": mask.sum()}

@@ -10,14 +10,17 @@ step (`finish`); the learner itself only sums scalar metrics.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from megatron_rl.algorithms.adapter import compute_policy_loss, global_normalizer, reduce_diagnostics
 from megatron_rl.algorithms.aggregation import local_count
 from megatron_rl.algorithms.policy_losses import aspo_entropy_eps
+from megatron_rl.batch.packing import per_token, unpacked
 from megatron_rl.config.schema import AlgorithmConfig
-from megatron_rl.vocab_parallel import TOPK_DIVERGENCES, vocab_parallel_policy_stats
+from megatron_rl.vocab_parallel import TOPK_DIVERGENCES, PolicyStats, vocab_parallel_policy_stats
 
 
 
@@ -56,10 +59,12 @@ class PolicyLoss:
         a = self.algo
         divs = (a.divergence,) if a.divergence else ()
         topk = a.divergence in TOPK_DIVERGENCES
+        # A packed micro-batch ([1, T] logits, batch/packing.py): the per-token inputs packed alike,
+        # the per-token outputs unpacked to [b, S] before anything that works per sequence.
         ps = vocab_parallel_policy_stats(
-            logits_BSV, mb["labels"], tp_group, rollout_logp=mb["rollout_logp"],
-            topk_ids=mb.get("topk_ids") if topk else None,
-            topk_logp=mb.get("topk_logp") if topk else None,
+            logits_BSV, per_token(mb, "labels"), tp_group, rollout_logp=per_token(mb, "rollout_logp"),
+            topk_ids=per_token(mb, "topk_ids") if topk else None,
+            topk_logp=per_token(mb, "topk_logp") if topk else None,
             divergences=divs, with_entropy=True, entropy_grad=a.entropy_coef != 0,
             temperature=self.temperature, vocab_size=vocab_size,
             # The output layer's logits are read by nothing after the loss: reuse their storage as
@@ -69,6 +74,8 @@ class PolicyLoss:
                 self.kernel == "triton" or (logits_BSV.dtype == torch.float32 and a.entropy_coef == 0)),
             kernel=self.kernel,
             topk_distinct=True)  # RolloutBatch.from_records checked every top-K row
+        if "packing" in mb:
+            ps = PolicyStats(**{f.name: unpacked(mb, getattr(ps, f.name)) for f in dataclasses.fields(ps)})
         kwargs = self.kwargs
         if self.entropy_eps is not None:
             eps = aspo_entropy_eps(ps.entropy, mb["loss_mask"] > 0, **self.entropy_eps)

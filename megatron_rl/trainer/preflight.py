@@ -70,6 +70,10 @@ def validate(cfg: JobConfig) -> None:
                 raise ValueError(f"algorithm.{key}: {e}") from None
     if a.router_replay not in ("none", "r2", "r3"):
         raise ValueError(f"algorithm.router_replay={a.router_replay!r}; valid: none, r2, r3")
+    if cfg.learner.pack_sequences and a.router_replay == "r2":
+        raise ValueError("learner.pack_sequences=true with algorithm.router_replay=r2: recording the learner's "
+                         "own routes from packed micro-batches is not built; use r3 (the engine's routes, "
+                         "replayed packed) or learner.pack_sequences=false")
     if a.divergence in TOPK_DIVERGENCES and r.top_k_logprobs <= 0:
         raise ValueError(f"algorithm.divergence={a.divergence} needs rollout.top_k_logprobs > 0 (e.g. 20)")
     if a.correction and not a.recompute_old_logp:
@@ -144,6 +148,9 @@ def validate(cfg: JobConfig) -> None:
     from megatron_rl.vocab_parallel import KERNELS
     from megatron_rl.weights.fp8 import QUANTIZATIONS
 
+    if cfg.learner.pack_sequences and cfg.model.spec in ("local", "te"):
+        raise ValueError(f"learner.pack_sequences=true needs model.spec=torch (its attention runs packed "
+                         f"sequences: torch's varlen flash attention on CUDA); model.spec={cfg.model.spec}")
     if cfg.learner.loss_kernel not in ("auto", *KERNELS):
         raise ValueError(f"learner.loss_kernel={cfg.learner.loss_kernel!r}; valid: auto, {', '.join(KERNELS)}")
     if cfg.learner.loss_kernel == "triton" and importlib.util.find_spec("triton") is None:

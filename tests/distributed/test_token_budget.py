@@ -7,7 +7,10 @@ DP), exchanged by `rebalance` (real gloo point-to-point), cut under
 `learner.max_tokens_per_micro_batch` with each micro-batch trimmed to its own longest, and the
 policy loss normalised by an all-reduced count — at TP2, PP2, DP2 (dense) and EP2 with R3 replay
 of engine routes (MoE). Loss, grad norm and every weight after the Adam step must agree up to
-fp32 summation order.
+fp32 summation order. The same with each micro-batch packed (`learner.pack_sequences`: its
+sequences end to end in one row, THD attention, batch/packing.py) at TP2 with sequence
+parallelism, PP2 and EP2 with R3 replay (the routes packed like the tokens), on the torch spec:
+no padding in any layer, and the same step.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def make_batch(moe: bool, num_experts: int = 4, layers: int = 2, k: int = 2):
     return batch
 
 
-def worker(rank, world_size, hf_path, parallel, moe, budget):
+def worker(rank, world_size, hf_path, parallel, moe, budget, pack=False):
     import torch.distributed as dist
 
     from megatron_rl.config.schema import JobConfig, ParallelConfig
@@ -64,6 +67,8 @@ def worker(rank, world_size, hf_path, parallel, moe, budget):
     cfg.algorithm.policy_loss, cfg.algorithm.divergence = "dppo", "binary_tv"
     cfg.learner.micro_batch_size = 4
     cfg.learner.max_tokens_per_micro_batch = budget
+    if pack:
+        cfg.model.spec, cfg.learner.pack_sequences = "torch", True
     ctx = init_distributed(cfg.parallel)
     learner = Learner(cfg, ctx, run_dir="/nonexistent")
     batch = make_batch(moe)
@@ -78,7 +83,13 @@ def worker(rank, world_size, hf_path, parallel, moe, budget):
     else:
         batch = batch.micro_batch(torch.arange(len(batch)), int(batch.seq_lens.max()))  # global dict
         dp_group = None
+    # log π of every position, this rank's rows (the old-log-prob / reference pass), before the step
+    logp = learner.forward_logprobs(batch, routing="replay" if moe else None) if budget else None
     loss_fn = PolicyLoss(cfg.algorithm, batch, 1.0, 64, dp_group=dp_group, device=ctx.device)
+    packed = []  # per forward of a chunk: whether it ran packed (THD) and its tokens
+    for chunk in learner.model:
+        chunk.register_forward_pre_hook(lambda m, args, kw: packed.append(
+            (kw.get("packed_seq_params") is not None, args[0].numel())), with_kwargs=True)
     metrics = learner.train_step(batch, loss_fn, routing="replay" if moe else None)
     metrics |= loss_fn.finish(learner)
     after = {k: v.clone() for k, v in learner.export_hf_weights()}
@@ -89,7 +100,9 @@ def worker(rank, world_size, hf_path, parallel, moe, budget):
         stats["tokens_per_rank"] = [int(t) for t in everyone]
     if rank != 0:
         return None
-    return dict(metrics=metrics, after=after, stats=stats, plan=[p.tolist() for p in learner._plan or []])
+    return dict(metrics=metrics, after=after, stats=stats, plan=[p.tolist() for p in learner._plan or []],
+                packed=packed, sp=ctx.sequence_parallel, tokens=int(batch["seq_len"].sum()) if budget else 0,
+                logp=logp, seq_lens=batch.seq_lens if budget else None)
 
 
 def runs_worker(rank, world_size, runs):
@@ -99,6 +112,7 @@ def runs_worker(rank, world_size, runs):
 
 
 BUDGETED = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2": {}}  # dense layouts under the token budget
+PACKED = {"tp2_packed": {"tp": 2}, "pp2_packed": {"pp": 2}, "ep2_r3_packed": {"ep": 2}}  # + pack_sequences
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +124,8 @@ def runs(tmp_path_factory):
     out = run_distributed(runs_worker, 1, {"dense": (dense, {}, False, 0), "moe": (moe, {}, True, 0)})[0]
     budgeted = {name: (dense, parallel, False, 48) for name, parallel in BUDGETED.items()}
     budgeted["ep2_r3"] = (moe, {"ep": 2}, True, 48)
+    for name, parallel in PACKED.items():
+        budgeted[name] = (moe if "ep2" in name else dense, parallel, "ep2" in name, 48, True)
     return out | run_distributed(runs_worker, 2, budgeted)[0]
 
 
@@ -176,3 +192,25 @@ def test_rebalance_moves_each_sequence_once_and_evens_every_mini_batch():
     # The model-parallel share: an exact copy from one tensor broadcast.
     for name in a["batch"].keys():
         assert torch.equal(b["copy"][name], a["batch"][name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PACKED))
+def test_packed_micro_batches_give_the_same_step(runs, name):
+    out = runs[name]
+    assert len(out["plan"]) > 1 and max(len(p) for p in out["plan"]) > 1, out["plan"]
+    # Every forward ran packed, on the sequences' tokens rounded up to the split (8 x TP), not on
+    # b x the longest: rank 0's micro-batches of its share of the batch.
+    assert out["packed"] and all(p for p, _ in out["packed"]), out["packed"]
+    mult = 16 if name == "tp2_packed" else 8
+    assert out["sp"] == (name == "tp2_packed")
+    assert sum(n for _, n in out["packed"]) < out["tokens"] + mult * len(out["plan"]), (out["packed"], out["tokens"])
+    _check(out, runs["moe" if "ep2" in name else "dense"], name)
+    # The forward-only pass (old log-probs, reference) gives the padded run's log-probs at every
+    # position of every sequence but its last (its label is past the sequence; with R3 it has no
+    # recorded route, and the spread-out stand-in route depends on the token's place in the layout).
+    padded = runs[name.removesuffix("_packed")]
+    valid = torch.arange(out["logp"].shape[1])[None] < out["seq_lens"][:, None] - 1
+    assert torch.equal(out["seq_lens"], padded["seq_lens"])
+    worst = (out["logp"] - padded["logp"][:, : out["logp"].shape[1]])[valid].abs().max().item()
+    assert worst <= 1e-5, f"{name}: forward log-probs differ from the padded run's by {worst}"
