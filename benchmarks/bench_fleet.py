@@ -1,6 +1,6 @@
 """The rollout fleet at the paper's shapes: how the producers' requests meet the servers' KV pools.
 
-    .venv/bin/python benchmarks/bench_fleet.py [--shape 30b|8b|both] [--rate TOK_PER_S] [--quick]
+    .venv/bin/python benchmarks/bench_fleet.py [--shape 30b|8b|both] [--rate TOK_PER_S] [--quick] [--two] [--share F]
 
 The REAL `RolloutClient`s (one per producer, each on its own thread and event loop, as the
 trainer's producers) against stand-in SGLang servers in a process of their own. A stand-in has a
@@ -24,9 +24,16 @@ Designs, the same requests:
 Rounds: a step is every producer generating its share (prompts x samples / producers) at once.
 `eval beside on 1 of N`: the step on all servers but one while the evaluation (60 x 32 samples)
 runs on that one (eval.servers=1), started together. Two servers (one rollout node of TP-4 30B
-servers), half the prompts: the step alone; beside an evaluation that holds one server; beside
-one that takes EVAL_SHARE of every server's KV pool (a design that needs both to hold the same
-weights: rollout/evaluation.py).
+servers), half the prompts (`--two`: these rounds only): the step alone; beside an evaluation that
+holds one server; beside one that takes EVAL_SHARE of every server's KV pool as fixed budgets;
+and the share mode as built (rollout/evaluation.py): training's budget set to 1 - EVAL_SHARE and
+the evaluation's to EVAL_SHARE with `FleetBudget.set_share`, the evaluation's following the room
+training leaves (`follow_training`, synchronous training: the tail of the step, the learner's
+time), the next push waiting for it. A step there is its generation, the learner's time L and
+the wait at the push: max(generation + L, evaluation), against generation + L alone; reported for
+L = 0 (no learner time: the worst case), 0.35 (the 2 + 1 layout of docs/cluster.md: 260 s of
+learner time per 500-770 s of generation), 0.5 and 1 x the generation time of a step alone (the
+evaluation's end does not depend on L, so one round gives all four).
 Reported per round: wall time, slots per server, KV use (token-seconds over pool x wall, the whole
 round) and KV full (the same while requests waited to be admitted anywhere, past the first median
 response time, in which any rule's cache fills from empty at decode speed), decoded tokens per
@@ -262,16 +269,17 @@ class Fleet:
 
 
 # ============================================================================ producers
-def produce(jobs: list[dict], shape: dict) -> list[dict]:
+def produce(jobs: list[dict], shape: dict, first: int = 0, then=None) -> list[dict]:
     """Run every job at once, each on its own thread, event loop and client; a job: urls, budget,
     producer id, step, prompts, samples. A job's finished set of samples goes to its budget's
-    length statistics (as `Fleet.generate` does). Returns per job: finish time, retries, servers
-    marked down."""
+    length statistics (as `Fleet.generate` does). `then()` is called once the first `first` jobs
+    are done. Returns per job: finish time, retries, servers marked down."""
     from megatron_rl.rollout.client import RolloutClient, SamplingParams
 
     out: list[dict] = [{} for _ in jobs]
     start = threading.Barrier(len(jobs) + 1)
     t0 = [0.0]
+    left, lock = [first], threading.Lock()
 
     def run(k: int, job: dict) -> None:
         async def go():
@@ -284,6 +292,12 @@ def produce(jobs: list[dict], shape: dict) -> list[dict]:
             recs = [rec for g in groups for rec in g]
             job["budget"].observe([shape["prompt"]] * len(recs),
                                   [min(shape["max_new"], rec.num_response_tokens * TOKEN_SCALE) for rec in recs])
+            if k < first:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last and then is not None:
+                    then()
         try:
             asyncio.run(go())
         except BaseException as e:  # noqa: BLE001 - reported by the caller
@@ -335,24 +349,34 @@ def round_stats(fleet: Fleet, urls: list[str], wall: float, shape: dict, done: l
                 retries=sum(d["retries"] for d in done), down=sum(d["down"] for d in done))
 
 
-def training(fleet: Fleet, urls: list[str], bs: list, shape: dict, step: int, prompts: int, extra=()) -> tuple:
-    """One step of every producer's share on `urls` (and `extra` jobs beside it, started together)."""
+def training(fleet: Fleet, urls: list[str], bs: list, shape: dict, step: int, prompts: int, extra=(),
+             then=None) -> tuple:
+    """One step of every producer's share on `urls` (and `extra` jobs beside it, started together;
+    `then()` once the step's generation is done)."""
     P = shape["producers"]
     jobs = [dict(urls=urls, budget=b, producer=k, step=step, prompts=prompts // P, samples=shape["samples"])
             for k, b in enumerate(bs)] + list(extra)
     fleet.stats(sum(j["prompts"] * j["samples"] for j in jobs))  # a new round
-    done = produce(jobs, shape)
+    done = produce(jobs, shape, P, then)
     wall = max(d["done"] for d in done[:P])
     return round_stats(fleet, urls, wall, shape, done), done[P:]
 
 
-def run_shape(name: str, shape: dict, rate: float) -> dict:
+def run_shape(name: str, shape: dict, rate: float, two_only: bool = False) -> dict:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    res = {}
+    if not two_only:
+        res |= four_servers(shape, rate, store)
+    res |= two_servers(shape, rate, store)
+    return res
+
+
+def four_servers(shape: dict, rate: float, store) -> dict:
+    """The designs on the shape's servers, and an evaluation beside training on one of them."""
     fleet = Fleet(shape["servers"], shape, rate)
-    P, urls = shape["producers"], None
-    urls = fleet.urls
+    P, urls = shape["producers"], fleet.urls
     ep, ek = shape["eval"]
     res = {}
     try:
@@ -372,6 +396,18 @@ def run_shape(name: str, shape: dict, rate: float) -> dict:
         res["beside"]["eval_wall"] = ev[0]["done"]
     finally:
         fleet.close()
+    return res
+
+
+def two_servers(shape: dict, rate: float, store) -> dict:
+    """One rollout node: a step alone, and beside an evaluation held on one server, on a fixed
+    share of each, and in the share mode as built."""
+    from megatron_rl.rollout.admission import FleetBudget, ServerKV, derived_capacity
+    from megatron_rl.rollout.evaluation import follow_training
+
+    P = shape["producers"]
+    ep, ek = shape["eval"]
+    res = {}
     # Two servers (one rollout node of TP-4 servers at 30B), half the step's prompts: training
     # alone; beside an evaluation that holds one whole server (eval.servers=1, today); beside one
     # that takes EVAL_SHARE of every server's KV pool (training the rest).
@@ -394,6 +430,32 @@ def run_shape(name: str, shape: dict, rate: float) -> dict:
         res["two share"], ev = training(two, u2, train, shape, 4, half,
                                         [dict(urls=u2, budget=eb, producer=1000, step=4, prompts=ep, samples=ek)])
         res["two share"]["eval_wall"] = ev[0]["done"]
+        # The share mode as built (rollout/evaluation.py BesideTraining): one training budget of
+        # the whole pool set to 1 - EVAL_SHARE for the evaluation's time, the evaluation's own at
+        # EVAL_SHARE, raised to the whole room once the step's generation is done.
+        train = budgets("follow", shape, u2, store, "two-built-train", P)
+        info = {"max_total_num_tokens": shape["pool"], "max_running_requests": shape["max_running"]}
+        eb = FleetBudget.local(derived_capacity(info, shape["max_new"]), kv={u: ServerKV.from_info(info) for u in u2})
+        train[0].observe(*_lengths(shape, 1, half))
+        eb.observe(*_lengths(shape, 1, half))
+        control = train[0].clone()
+        control.set_share(1 - EVAL_SHARE)
+        eb.set_share(EVAL_SHARE)
+        train[0].loads(u2)  # (its caps follow the share at its next take)
+        slots = (train[0].cap(u2[0]), eb.cap(u2[0]))
+        generated, stop = threading.Event(), threading.Event()
+        follower = threading.Thread(target=follow_training, daemon=True,
+                                    args=(eb.clone(), train[0].clone(), u2, EVAL_SHARE, lambda: not stop.is_set(),
+                                          generated.is_set))
+        follower.start()
+        res["two built"], ev = training(two, u2, train, shape, 5, half,
+                                        [dict(urls=u2, budget=eb.clone(), producer=1000, step=5, prompts=ep, samples=ek)],
+                                        then=generated.set)
+        stop.set()
+        follower.join()
+        control.set_share(1.0)
+        res["two built"]["eval_wall"] = ev[0]["done"]
+        res["two built"]["slots"] = f"{slots[0]}+{slots[1]}"
     finally:
         two.close()
     return res
@@ -413,27 +475,42 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
           f"(max_running {shape['max_running']}), prompts of {shape['prompt']} tokens, {shape['prompts']} x "
           f"{shape['samples']} samples up to {shape['max_new']} tokens, eval {shape['eval'][0]} x {shape['eval'][1]}; "
           f"{rate:g} tokens/s per sequence")
-    print(f"{'round':<34} {'wall s':>7} {'slots':>5} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
+    print(f"{'round':<34} {'wall s':>7} {'slots':>7} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
           f"{'max run':>7} {'max queued':>10} {'retracted':>9} {'retries':>7} {'down':>4}")
     rows = [("per-producer (SGLang admits)", "per-producer"), ("fleet, first estimate (today)", "fixed"),
             ("fleet, following: first step", "follow first step"), ("fleet, following: next step", "follow"),
             (f"following, eval beside on 1 of {shape['servers']}", "beside"),
             ("2 servers: training alone", "two alone"), ("2 servers: eval holds 1 server", "two hold"),
-            (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share")]
+            (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share"),
+            (f"2 servers: eval.share={EVAL_SHARE:g} (built)", "two built")]
     for label, key in rows:
+        if key not in res:
+            continue
         r = res[key]
         slots = str(r.get("slots", "-"))
         extra = f"   (eval {r['eval_wall']:.1f} s)" if "eval_wall" in r else ""
-        print(f"{label:<34} {r['wall']:>7.1f} {slots:>5} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
+        print(f"{label:<34} {r['wall']:>7.1f} {slots:>7} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
               f"{r['max_running']:>7} {r['max_waiting']:>10} {r['retracted']:>9} {r['retries']:>7} {r['down']:>4}{extra}")
-    f, t = res["follow"], res["fixed"]
+    if "follow" in res:
+        print(f"following vs first estimate, one step: {res['fixed']['wall'] / res['follow']['wall']:.2f}x faster")
     a = res["two alone"]["wall"]
-    print(f"following vs first estimate, one step: {t['wall'] / f['wall']:.2f}x faster; 2 servers, a training step "
-          f"beside an evaluation: {res['two hold']['wall'] / a:.2f}x (eval holds 1 server), "
-          f"{res['two share']['wall'] / a:.2f}x (eval {EVAL_SHARE:.0%} of every KV pool) of one without")
+    print(f"2 servers, the generation of a step beside an evaluation: {res['two hold']['wall'] / a:.2f}x (eval holds "
+          f"1 server), {res['two share']['wall'] / a:.2f}x (eval {EVAL_SHARE:.0%} of every KV pool), "
+          f"{res['two built']['wall'] / a:.2f}x (eval.share={EVAL_SHARE:g} as built) of one without")
+    for r in (res["two hold"], res["two built"]):
+        r["step_ratio"] = {}
+    for frac in (0.0, 0.35, 0.5, 1.0):  # the learner's time L, as a share of a step's generation alone
+        L = frac * a
+        hold = (res["two hold"]["wall"] + L) / (a + L)  # the held server's evaluation never delays a push
+        built = max(res["two built"]["wall"] + L, res["two built"]["eval_wall"]) / (a + L)
+        res["two hold"]["step_ratio"][frac], res["two built"]["step_ratio"][frac] = hold, built
+        print(f"  a whole step (generation + learner L = {frac:g} x {a:.1f} s + the push's wait for the evaluation): "
+              f"{hold:.2f}x holding 1 server, {built:.2f}x eval.share={EVAL_SHARE:g} "
+              f"(push waits {max(0.0, res['two built']['eval_wall'] - res['two built']['wall'] - L):.1f} s)")
 
 
 def main() -> None:
+    global EVAL_SHARE
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
         n, pool, max_running, prompt, rate, max_new = sys.argv[2:8]
         serve(int(n), int(pool), int(max_running), int(prompt), float(rate), int(max_new))
@@ -442,8 +519,11 @@ def main() -> None:
     ap.add_argument("--shape", choices=["30b", "8b", "both"], default="both")
     ap.add_argument("--rate", type=float, default=2000.0, help="decoded tokens per second per sequence")
     ap.add_argument("--quick", action="store_true", help="a quarter of the prompts, for a smoke run")
+    ap.add_argument("--share", type=float, default=EVAL_SHARE, help="the evaluation's share of every server")
+    ap.add_argument("--two", action="store_true", help="only the two-server rounds (an evaluation beside training)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
+    EVAL_SHARE = args.share
     os.environ.setdefault("MRL_QUIET", "1")
     import logging
 
@@ -453,7 +533,7 @@ def main() -> None:
         shape = dict(SHAPES[name])
         if args.quick:
             shape |= dict(prompts=shape["prompts"] // 4, eval=(shape["eval"][0] // 4, shape["eval"][1]))
-        res = run_shape(name, shape, args.rate)
+        res = run_shape(name, shape, args.rate, args.two)
         report(name, shape, args.rate, res)
         out[name] = dict(shape=shape, rate=args.rate, results=res)
     if args.json:

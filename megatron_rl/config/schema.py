@@ -255,7 +255,8 @@ class EvalConfig:
     top_p: float = 1.0
     max_new_tokens: Optional[int] = None  # None = rollout.max_new_tokens
     timeout: Optional[float] = None  # seconds an evaluation may take (the other ranks wait for it): then what finished is scored, the rest aborted and counted in eval/missing_samples; None = no limit (keep it below trainer.rollout_wait_timeout)
-    servers: int = 0  # 0: evaluate on every server between steps (training waits); N > 0: evaluate beside training on the last N servers, held at the evaluated step's weights while the others serve training; the metrics join the row of the step it ends in, with eval/weights_step
+    servers: int = 0  # 0: evaluate on every server between steps (training waits); N > 0: evaluate beside training (eval.share says how); the metrics join the row of the step it ends in, with eval/step
+    share: Optional[float] = None  # beside training (eval.servers > 0): the share of every server's slots / KV pool the evaluation takes while training generates on the rest, at the pushed weights, the next push waiting for it (rollout/evaluation.py); 0: hold eval.servers whole servers at its weights instead; None: whole servers when eval.servers is at most a fifth of the fleet, else 0.2
 
 
 @dataclass

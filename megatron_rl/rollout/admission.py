@@ -74,6 +74,16 @@ shape, at most 81 with an evaluation beside); the least loaded server (count / c
 request, so tokens per server stay even (max/min 1.014 there); a request waiting in its producer
 has no timeout (client.py times only a server's progress). An evaluation has a budget of its own (`Fleet.evaluate`), with its
 own statistics, so it never takes training's slots.
+
+Shares of a server (`FleetBudget.set_share`): an evaluation beside training on the same servers
+(rollout/evaluation.py) takes a share f of every server's room and training keeps the rest. The
+share is one more value in the store, read with the loads at every take, so every producer's caps
+follow it at its next take: a budget at share s computes its caps on s x the KV pool and
+s x max_running_requests (fixed slots: s x the slots), at least 1 each. Training at 1 - f and the
+evaluation at f together never pass a server's pool (to the floors), so neither makes the other
+queue in SGLang; when a share falls, nothing is cancelled: the server takes no new request of that
+budget until its count is under the new cap. (The evaluation's share also grows into the room
+training leaves at the end of its step: rollout/evaluation.py `follow_training`.)
 """
 
 from __future__ import annotations
@@ -125,6 +135,13 @@ class ServerKV:
         states = info.get("internal_states") or [{}]
         running = states[0].get("effective_max_running_requests_per_dp") or info.get("max_running_requests")
         return cls(int(info.get("max_total_num_tokens") or 0), int(running or 0))
+
+    def scaled(self, share: float) -> "ServerKV":
+        """`share` of this room (an evaluation's share of the server, or training's rest)."""
+        if share >= 1:
+            return self
+        return ServerKV(max(1, int(self.pool * share)) if self.pool else 0,
+                        max(1, int(self.max_running * share)) if self.max_running else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +208,8 @@ class FleetBudget:
     with the same store and prefix, across threads and processes). `capacity`: slots per server,
     one number for all or a URL -> slots mapping (a URL it lacks gets the smallest): fixed, or,
     with `kv` (URL -> ServerKV), the first estimate until `observe` has seen MIN_SAMPLES finished
-    samples, then `kv_capacity` of each server from the shared length statistics."""
+    samples, then `kv_capacity` of each server from the shared length statistics. Either at the
+    budget's share of each server (`set_share`, shared like the counts; 1 until set)."""
 
     POLL_S = 0.05  # a waiting client looks for slots given back by other producers this often
 
@@ -207,8 +225,9 @@ class FleetBudget:
         self._known: set[str] = set()
         self._order = random.Random(seed).random()  # this budget's place in the tie rotation
         self._turn = itertools.count()
-        self._stats_text = b""  # the statistics the caps below were computed from
+        self._seen = (b"", b"1")  # the statistics and the share the caps below were computed from
         self._caps: dict[str, int] = {}
+        self.share = 1.0
 
     @classmethod
     def local(cls, capacity: int | Mapping[str, int], kv: Optional[Mapping[str, ServerKV]] = None) -> "FleetBudget":
@@ -219,7 +238,8 @@ class FleetBudget:
         if url in self._caps:
             return self._caps[url]
         c = self.capacity
-        return c if isinstance(c, int) else c.get(url, min(c.values()))
+        c = c if isinstance(c, int) else c.get(url, min(c.values()))
+        return c if self.share >= 1 else max(1, int(c * self.share + 1e-9))
 
     def _key(self, url: str) -> str:
         return f"{self.prefix}/{url}"
@@ -228,14 +248,35 @@ class FleetBudget:
     def _stats_key(self) -> str:
         return f"{self.prefix}//lengths"
 
-    def _follow(self, text: bytes) -> None:
-        """The caps of the statistics `text` (recomputed only when they changed)."""
-        if text == self._stats_text:
+    @property
+    def _share_key(self) -> str:
+        return f"{self.prefix}//share"
+
+    def _follow(self, text: bytes, share: bytes) -> None:
+        """The caps of the statistics `text` at the share `share` (recomputed only when either
+        changed)."""
+        if (text, share) == self._seen:
             return
-        self._stats_text = text
+        self._seen = (text, share)
+        self.share = float(share.decode() if isinstance(share, bytes) else share)
+        if self.kv is None:
+            return
         stats = LengthStats.from_json(text.decode() if isinstance(text, bytes) else text)
-        self._caps = ({u: kv_capacity(k, stats) for u, k in self.kv.items() if k.pool}
+        self._caps = ({u: kv_capacity(k.scaled(self.share), stats) for u, k in self.kv.items() if k.pool}
                       if stats.n >= MIN_SAMPLES and stats.l1 > 0 else {})
+
+    def set_share(self, share: float) -> None:
+        """From now on every client of this budget (any producer's) takes at most `share` of each
+        server's room (module docstring); 1: all of it."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share {share}: a fraction of each server, more than 0 and at most 1")
+        self.loads([])  # the key exists
+        new = repr(float(share)).encode()
+        old = self.store.multi_get([self._share_key])[0]
+        while old != new:  # compare-and-set: TCPStore's and LocalCounts' one way to replace a value
+            old = self.store.compare_set(self._share_key, old, new)
+        stats = self.store.multi_get([self._stats_key])[0] if self.kv is not None else b""
+        self._follow(stats, new)  # this budget's caps at once; the others' at their next take
 
     def stats(self) -> LengthStats:
         """The length statistics every producer's caps follow, now (empty for a fixed budget)."""
@@ -243,7 +284,7 @@ class FleetBudget:
             return LengthStats()
         self.loads([])
         text = self.store.multi_get([self._stats_key])[0]
-        self._follow(text)  # and this budget's caps are those of these statistics
+        self._follow(text, self._seen[1])  # and this budget's caps are those of these statistics
         return LengthStats.from_json(text.decode())
 
     def observe(self, prompts: Sequence[int], responses: Sequence[int]) -> None:
@@ -268,16 +309,19 @@ class FleetBudget:
         if self.kv is not None and self._stats_key not in self._known:
             self.store.compare_set(self._stats_key, "", LengthStats().to_json())  # exists from now on
             self._known.add(self._stats_key)
+        if self._share_key not in self._known:
+            self.store.compare_set(self._share_key, "", "1.0")
+            self._known.add(self._share_key)
         fresh = [u for u in urls if u not in self._known]
         for u in fresh:  # multi_get needs every key to exist
             self.store.add(self._key(u), 0)
         self._known.update(fresh)
         if not urls:
             return []
-        keys = [self._key(u) for u in urls] + ([self._stats_key] if self.kv is not None else [])
+        keys = [self._key(u) for u in urls] + [self._share_key] + ([self._stats_key] if self.kv is not None else [])
         values = self.store.multi_get(keys)
-        if self.kv is not None:
-            self._follow(values.pop())
+        stats = values.pop() if self.kv is not None else b""
+        self._follow(stats, values.pop())
         return [int(v) for v in values]
 
     def take(self, urls: Sequence[str]) -> str | None:

@@ -9,7 +9,8 @@ another's responses. The interface the loop uses:
   included), `finish_metrics` for the step's rollout metrics;
 - `sync_weights(learner, version)`: the weight push (collective; rollout/pushes.py);
 - `evaluate(prompts, step)` on every server between steps, or `start_eval` / `eval_result` beside
-  training (rollout/evaluation.py);
+  training (rollout/evaluation.py: on whole servers held at its weights, or a share of every
+  server, the next push waiting for it);
 - `pause` / `resume` (partial rollouts), `close_lane` / `abort_other_lanes` (threads that sample),
   `close`.
 Where the servers come from and how many requests each takes: rollout/servers.py (rank 0 starts
@@ -102,6 +103,7 @@ class _InRotation:
 
 
 class Fleet:
+    generations = 0  # steps' generations this producer finished (rank 0's: `follow_training`)
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, hf_path: Path, tokenizer,
                  out_dir: Path, moe_topk: Optional[int], num_experts: Optional[int] = None):
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer
@@ -145,6 +147,7 @@ class Fleet:
             placement.checked_endpoints(self.urls(), cfg)
             caps, eval_caps, kv = slots(cfg, self.urls())
             self._eval_budget = FleetBudget.local(eval_caps, kv=kv)  # an evaluation's own (rank 0 evaluates)
+            self.evals.describe(len(self.urls()))  # a bad eval.share fails here, not at the first evaluation
         # The producers' server list (rank 0's local servers, reachable on its host only, or the
         # launcher's), each server's first slots and KV pool, and the name the counts go under: a
         # small object broadcast once.
@@ -266,7 +269,8 @@ class Fleet:
         """Rank 0: pause every server's generation (`abort` cuts requests in flight, which the
         producers' clients continue after `resume`; requests sent meanwhile wait). A server that
         does not answer is dead: its requests are retried elsewhere by the clients, and a
-        restarted one is found out by its version at the next check."""
+        restarted one is found out by its version at the next check. A share-mode evaluation ends first."""
+        self.evals.before_pause()
         self._broadcast_control("pause_generation", mode=mode)
 
     def resume(self) -> None:
@@ -286,20 +290,6 @@ class Fleet:
             if isinstance(out, BaseException):
                 logging.getLogger(__name__).warning("%s %s failed (%s); treating the server as down", url,
                                                     method, out)
-
-    def exclude(self, urls) -> None:
-        """Rank 0: take servers out of this rank's producers' rotation at once (the other ranks
-        learn it with the next push)."""
-        self._excluded = self._excluded | frozenset(urls)
-
-    def use_servers(self, urls: list[str]) -> None:
-        """This thread's client (made at its next use) samples on `urls` only, with the
-        evaluation's budget, and keeps the version it starts with (an evaluation's thread)."""
-        self._lanes.urls = urls
-
-    def abort_pinned(self) -> None:
-        """Abort the requests of the evaluation's clients."""
-        self.abort_other_lanes_of(self._pinned)
 
     # ------------------------------------------------------------------------------------------
     def sampling(self, step: int, temperature: float, max_new_tokens: int, top_p: float,
@@ -415,6 +405,7 @@ class Fleet:
         order = (order + spare)[:want]
         if self.episode_fn is None:  # every sample of this share is finished: a fair draw of lengths
             observe_lengths(self.client.budget, [g for g, _ in mine.values()])
+        self.generations += 1
         uids = {key: p.uid for key, p in drawn.items()}
         records, rewards, gids, correct = [], [], [], 0
         for gi, key in enumerate(order):
@@ -509,10 +500,13 @@ class Fleet:
     def sync_weights(self, learner, version: str) -> dict[str, float]:
         """Collective over the learner ranks: send the learner's weights to every server (every
         one that answers, for disaggregated servers), but those an evaluation beside training
-        holds (rollout/pushes.py)."""
+        holds (rollout/pushes.py), once an evaluation that shares them has ended."""
+        waited = self.evals.wait_before_push()  # every rank
         if self.driver:
             self.evals.release_hold()
+        transport = self.pushes.transport
         stats, seconds = self.pushes.push(learner, version, held=self.evals.hold)
+        self.evals.groups_formed += self.driver and self.pushes.transport is not transport
         pushed_to = self.pushes.pushed_to
         # Out of the producers' rotation until a push reaches them: servers held by an evaluation,
         # and those that did not answer (dead, or restarted and still starting).
@@ -530,6 +524,8 @@ class Fleet:
         out = {"time/weight_sync": seconds}
         if self.driver and (self.pushes.live is not None or self.evals.hold):
             out["rollout/servers_up"] = float(len(pushed_to))
+        if self.driver and self.cfg.eval.servers:  # what an evaluation beside training cost the pushes
+            out |= {"time/eval_wait": waited, "weight_sync/groups_formed": float(self.evals.groups_formed)}
         if stats:
             out["weight_sync/bytes"] = float(stats.get("bytes", 0))
         return out

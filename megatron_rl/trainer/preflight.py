@@ -171,10 +171,16 @@ def validate(cfg: JobConfig) -> None:
                          f"{t.rollout_wait_timeout:g} (the other ranks wait that long for the evaluation)")
     # The launcher passes a disaggregated layout's servers (rollout.server_urls) at launch.
     servers = len(r.server_urls) if r.server_urls else None if r.placement == "disaggregated" else r.num_servers
-    if e.servers < 0 or (e.servers and servers is not None and e.servers >= servers):
+    if e.servers and servers is not None:
+        from megatron_rl.rollout.evaluation import beside_share
+
+        held = beside_share(e.servers, servers, e.share) == 0  # whole servers, not a share of each
+    else:
+        held = e.servers > 0
+    if e.servers < 0 or (held and servers is not None and e.servers >= servers):
         raise ValueError(f"eval.servers={e.servers}: servers an evaluation holds beside training, fewer than the "
                          f"{servers} rollout servers (at least one must serve training), or 0 to evaluate on all "
-                         "of them between steps")
+                         "of them between steps (or eval.share > 0: a share of every server)")
     if cfg.trainer.mode not in ("train", "rollout_only", "train_only"):
         raise ValueError(f"trainer.mode={cfg.trainer.mode!r}; valid: train, rollout_only, train_only")
     if cfg.trainer.mode != "train_only":  # train_only contacts no server

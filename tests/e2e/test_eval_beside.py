@@ -1,16 +1,20 @@
-"""eval.servers=1: the evaluation runs beside training on one of two real SGLang servers, held at
-the weights of the step it evaluates while the trainer pushes newer weights to the other.
+"""eval.servers=1 on two real SGLang servers: too few to hold one whole (it would halve the fleet), so
+the evaluation beside training takes a share of both (eval.share unset: 0.2 of each server's room),
+at the weights it evaluates, and the next push waits for it (rollout/evaluation.py).
 
-Through the real trainer (tiny_cpu, 5 steps, an evaluation due after every step, each one longer
-than a training step: 64 samples of up to 48 tokens on one server):
+Through the real trainer (tiny_cpu, 5 steps, synchronous, an evaluation due after every step, 16
+samples of up to 8 tokens each: one that fits in a step, the learner's time being the
+evaluation's whole room):
 - every evaluation beside training names the weights it evaluated (eval/step = v) and every token
   it scored came from exactly those weights (eval/weight_version, from the servers' own per-token
-  version spans): no push reached its server while it ran, though training pushed newer ones;
-- the initial policy's evaluation is one of them; one due while another runs, or before the
-  other's server has the current weights again, is skipped, saying so; the last step's evaluation
-  runs on both servers at the end, as without eval.servers;
-- every training step ran and was logged once, with the pushes that left the held server out
-  reaching one server (rollout/servers_up).
+  version spans), though it shared both servers with training: no push came while it ran;
+- none is skipped (the push waited for the one before), the initial policy's is the first, the
+  last step's runs on both servers at the end, as without eval.servers;
+- every push reached both servers (rollout/servers_up) and the weight-update group was formed once,
+  at the start (weight_sync/groups_formed): never again for an evaluation;
+- training did not wait for an evaluation that fit in its step (time/eval_wait 0 at the pushes).
+Whole servers held at the evaluated weights (a bigger fleet, or eval.share=0): unit tests and the
+benchmark (tests/unit/test_admission_share.py, benchmarks/bench_fleet.py).
 """
 
 from __future__ import annotations
@@ -40,9 +44,11 @@ def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shar
          f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={STEPS}",
          "rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=2",
          "learner.micro_batch_size=8", "trainer.progress=false", "trainer.plot=false",
-         "eval.every=1", "eval.servers=1", "eval.num_prompts=16", "eval.k=4", "eval.max_new_tokens=48"],
+         "eval.every=1", "eval.servers=1", "eval.num_prompts=4", "eval.k=4", "eval.max_new_tokens=8"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    log = out.stdout + out.stderr
+    assert "evaluation beside training: 20% of every server's room" in log, log[-3000:]
     rows = read_metrics(run)
     train = [r for r in rows if "rollout/accuracy" in r]
     assert [r["step"] for r in train] == list(range(STEPS)), [r["step"] for r in rows]
@@ -51,13 +57,16 @@ def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shar
     assert all("rollout/accuracy" in r or r["step"] == STEPS - 1 for r in rows), rows
     beside = [r for r in rows if "eval/step" in r]
     evaluated = [int(r["eval/step"]) for r in beside]
-    assert evaluated and evaluated[0] == 0 and evaluated == sorted(set(evaluated)), evaluated
+    # None skipped: each ended before the next push, which waited for it.
+    assert evaluated == list(range(STEPS)) and " skipped: " not in log, (evaluated, log[-3000:])
     for r in beside:
         # Every scored token came from the weights of the step it names, whatever training pushed.
         assert r["eval/weight_version"] == r["eval/step"], r
-        assert r["step"] >= r["eval/step"] - 1 and "eval/mean@4" in r and r["time/eval"] > 0, r
-    skipped = [v for v in range(1, STEPS) if f"eval at step {v} skipped: " in out.stdout + out.stderr]
-    assert sorted(evaluated + skipped) == list(range(STEPS)), (evaluated, skipped)
+        assert r["step"] == r["eval/step"] and "eval/mean@4" in r and r["time/eval"] > 0, r
     # The last step's evaluation: on every server, in the last row, as without eval.servers.
     assert rows[-1] is train[-1] and "eval/mean@4" in rows[-1] and "eval/step" not in rows[-1], rows[-1]
-    assert any(r.get("rollout/servers_up") == 1.0 for r in train), train  # a push left the held server out
+    # Every push reached both servers, over the update group formed at the start: none formed anew.
+    assert all(r["rollout/servers_up"] == 2.0 and r["weight_sync/groups_formed"] == 1.0 for r in train), train
+    # An evaluation that fits in its step costs the push no wait (0: it had ended before it).
+    waits = [r["time/eval_wait"] for r in train]
+    assert sum(w == 0.0 for w in waits) >= STEPS - 1, waits

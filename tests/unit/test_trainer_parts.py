@@ -526,14 +526,16 @@ def test_padding_routes_spread_evenly_over_experts():
     ("rollout.max_inflight_per_server=-1", r"rollout.max_inflight_per_server=-1 must be >= 0 \(0: derived\)"),
     ("learner.max_tokens_per_micro_batch=-5", "learner.max_tokens_per_micro_batch=-5; valid: 0"),
     ("trainer.rollout_wait_timeout=0", "trainer.rollout_wait_timeout=0.0 must be > 0"),
-    ("eval.servers=1", r"eval.servers=1: servers an evaluation holds beside training, fewer than the 1 rollout"),
+    # (whole servers held: eval.share=0; by default one server's fleet evaluates on a share of it)
+    ("eval.servers=1 eval.share=0", r"eval.servers=1: servers an evaluation holds beside training, fewer than the 1 rollout"),
+    ("eval.servers=1 eval.share=1.5", r"eval.share=1.5: the share of every server's room"),
     ("eval.servers=-1", "eval.servers=-1: servers an evaluation holds"),
 ])
 def test_data_path_settings_are_checked(override, message):
     from megatron_rl.trainer.preflight import validate
 
     with pytest.raises(ValueError, match=message):
-        validate(to_object(load_config("tiny_cpu", [override])))
+        validate(to_object(load_config("tiny_cpu", override.split())))
 
 
 def test_eval_metrics_with_and_without_missing_samples():

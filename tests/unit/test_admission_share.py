@@ -1,0 +1,146 @@
+"""Shares of a server (rollout/admission.py `set_share`, rollout/evaluation.py): an evaluation beside
+training takes a share f of every server's room and training keeps 1 - f, each budget's caps
+computed on its share of the KV pool and max_running_requests, the two never passing the server;
+the share reaches every producer's budget through a real c10d TCPStore; the automatic choice
+between whole servers and a share."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from megatron_rl.rollout.admission import (
+    MIN_SAMPLES, FleetBudget, LengthStats, LocalCounts, ServerKV, kv_capacity,
+)
+from megatron_rl.rollout.evaluation import DEFAULT_SHARE, beside_share
+
+
+def test_server_kv_scaled_is_the_share_of_pool_and_running_requests():
+    kv = ServerKV(2_000_000, 1024)
+    assert kv.scaled(1.0) is kv
+    assert kv.scaled(0.2) == ServerKV(400_000, 204) and kv.scaled(0.8) == ServerKV(1_600_000, 819)
+    assert ServerKV(0, 0).scaled(0.5) == ServerKV(0, 0)  # reports neither: nothing to share
+    assert ServerKV(3, 1).scaled(0.1) == ServerKV(1, 1)  # at least one of each
+
+
+def test_training_and_evaluation_shares_together_fit_the_pool():
+    """At the 30B shape's lengths (lognormal, median 4k, cut at 16k; 512-token prompts), training
+    at 0.8 and the evaluation at 0.2: caps on their shares, whose KV (mean + KV_Z std each) sums
+    within the pool, and within max_running_requests."""
+    import math
+    import random
+
+    g = random.Random(0)
+    lengths = [max(1, min(16384, int(math.exp(math.log(4096) + 0.84 * g.gauss(0, 1))))) for _ in range(4000)]
+    kv = {"a": ServerKV(2_000_000, 1024)}
+    train = FleetBudget(LocalCounts(), "train", 170, kv=kv)
+    evaluation = FleetBudget(LocalCounts(), "eval", 170, kv=kv)
+    for b in (train, evaluation):
+        b.observe([512] * len(lengths), lengths)
+    whole = train.stats()
+    full = kv_capacity(kv["a"], whole)
+    train.set_share(0.8)
+    evaluation.set_share(0.2)
+    t, e = train.cap("a"), evaluation.cap("a")
+    assert t == kv_capacity(ServerKV(1_600_000, 819), whole) and e == kv_capacity(ServerKV(400_000, 204), whole)
+    mean, std = whole.kv_per_request()
+    fits = lambda n, pool: n * mean + 2 * math.sqrt(n) * std <= pool  # noqa: E731
+    assert fits(t, 1_600_000) and fits(e, 400_000) and t + e <= full <= 1024
+    assert e >= 0.15 * full and t >= 0.75 * full  # a share's cap is about its share of the whole's
+    train.set_share(1.0)  # the evaluation ended: training's whole room again
+    assert train.cap("a") == full
+
+
+def test_fixed_slots_are_shared_by_their_floor_at_least_one():
+    b = FleetBudget(LocalCounts(), "t", {"a": 10, "b": 3})
+    b.set_share(0.8)
+    assert (b.cap("a"), b.cap("b")) == (8, 2)
+    b.set_share(0.2)
+    assert (b.cap("a"), b.cap("b")) == (2, 1)
+    with pytest.raises(ValueError, match="more than 0 and at most 1"):
+        b.set_share(0.0)
+    with pytest.raises(ValueError, match="more than 0 and at most 1"):
+        b.set_share(1.5)
+
+
+def test_a_share_reaches_every_producer_at_its_next_take_and_cancels_nothing():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    kv = {"a": ServerKV(100_000, 0)}
+    one = FleetBudget(store, "fleet/t", 4, kv=kv)
+    two = FleetBudget(store.clone(), "fleet/t", 4, kv=kv)  # another producer
+    two.observe([200] * MIN_SAMPLES, [1000] * MIN_SAMPLES)
+    stats = LengthStats.of([200] * MIN_SAMPLES, [1000] * MIN_SAMPLES)
+    assert [one.take(["a"]) for _ in range(133)].count("a") == 133 == kv_capacity(kv["a"], stats)
+    one.clone().set_share(0.5)  # rank 0, as an evaluation starts (a connection of its own)
+    cap = kv_capacity(ServerKV(50_000, 0), stats)
+    assert two.take(["a"]) is None and two.cap("a") == cap == 64  # the 133 taken stay; none new
+    for _ in range(133 - cap + 1):
+        one.give("a")
+    assert two.take(["a"]) == "a" and two.take(["a"]) is None
+    one.set_share(1.0)
+    assert two.take(["a"]) == "a" and two.cap("a") == 133
+
+
+def test_whole_servers_on_a_big_fleet_a_share_on_a_small_one():
+    assert beside_share(1, 2, None) == DEFAULT_SHARE  # one rollout node: holding one halves the fleet
+    assert beside_share(1, 4, None) == DEFAULT_SHARE  # a quarter: a step 1.33x
+    assert beside_share(1, 5, None) == 0.0 and beside_share(2, 16, None) == 0.0  # a fifth or less: held
+    assert beside_share(1, 2, 0.0) == 0.0 and beside_share(1, 16, 0.3) == 0.3  # eval.share decides when set
+    with pytest.raises(ValueError, match="eval.share=1.0"):
+        beside_share(1, 2, 1.0)
+
+
+def test_the_evaluation_takes_the_room_training_leaves_never_training_s_share():
+    """`follow_training` (synchronous training): the evaluation keeps its share before training's
+    step starts, while its requests arrive and while they fill its own share; as training's last
+    requests finish (its slots only fall), the evaluation's share grows to what they leave, up to
+    every server whole once the step's generation is over."""
+    import threading
+    import time
+
+    from megatron_rl.rollout.evaluation import follow_training
+
+    store = LocalCounts()
+    training = FleetBudget(store, "train", 10)
+    evaluation = FleetBudget.local(10)
+    training.clone().set_share(0.8)
+    evaluation.set_share(0.2)
+    stop, generated = threading.Event(), threading.Event()
+    follower = threading.Thread(target=follow_training, daemon=True,
+                                args=(evaluation.clone(), training.clone(), ["a", "b"], 0.2,
+                                      lambda: not stop.is_set(), generated.is_set, 0.01))
+
+    def settled(share: float) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            evaluation.loads(["a"])
+            if evaluation.share == pytest.approx(share):
+                return True
+            time.sleep(0.01)
+        return False
+
+    follower.start()
+    try:
+        time.sleep(0.1)  # training's step not started (no slot taken): the evaluation keeps its share
+        assert settled(0.2) and evaluation.cap("a") == 2
+        for _ in range(8):  # training's step starting: a ramp, not a tail
+            assert training.take(["a", "b"]) is not None
+        time.sleep(0.1)
+        assert settled(0.2)
+        for _ in range(8):  # training's step fills its 8 slots of each server
+            assert training.take(["a", "b"]) is not None
+        time.sleep(0.1)  # (the follower looks every 0.01 s)
+        assert training.take(["a", "b"]) is None and settled(0.2)
+        for url, n in (("a", 6), ("b", 7)):  # its last responses finish: 2 and 1 still run
+            for _ in range(n):
+                training.give(url)
+        # The busiest server decides, its tail counted twice (TAIL_KV): 1 - 0.8 x 2 x 2 / 8.
+        assert settled(0.6) and evaluation.cap("a") == 6
+        for url, n in (("a", 2), ("b", 1)):
+            for _ in range(n):
+                training.give(url)
+        generated.set()
+        assert settled(1.0) and evaluation.cap("a") == 10  # the learner's time: every server whole
+    finally:
+        stop.set()
+        follower.join(10)
