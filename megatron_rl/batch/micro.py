@@ -21,12 +21,15 @@ def padded_len(n: int, multiple: int) -> int:
 
 
 def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_sequences: int = 0,
-                       multiple: int = 1, n_micro: Optional[int] = None) -> list[torch.Tensor]:
+                       multiple: int = 1, n_micro: Optional[int] = None, packed: bool = False) -> list[torch.Tensor]:
     """Cut sequences into micro-batches: lists of indices, each trimmed to its own longest.
 
     `max_tokens` > 0: sequences sorted by length are cut into runs of neighbours, each within the
     budget (sequences × padded longest ≤ max_tokens; a longer sequence runs alone), choosing the
     cut that minimises padded slots plus a fixed cost per micro-batch (`_least_padding`).
+    `packed` (micro-batches run end to end, batch/packing.py: a micro-batch costs its tokens, not
+    its longest × its count): the budget bounds the sum of the lengths (rounded up to `multiple`),
+    filled first-fit over the sequences longest first (`_fill_tokens`), so fewer micro-batches.
     Otherwise `max_sequences` per micro-batch in the given order. `n_micro` (≥ what the budget needs): split
     further — the largest micro-batches in halves — until there are that many (ranks that must run
     the same number of micro-batches, e.g. expert-parallel peers); empty ones are not made here.
@@ -35,7 +38,7 @@ def plan_micro_batches(seq_lens: torch.Tensor, *, max_tokens: int = 0, max_seque
     if n == 0:
         return []
     if max_tokens > 0:
-        out = _least_padding(seq_lens, max_tokens, multiple)
+        out = (_fill_tokens if packed else _least_padding)(seq_lens, max_tokens, multiple)
     else:
         size = max_sequences or n
         out = [list(range(a, min(a + size, n))) for a in range(0, n, size)]
@@ -112,6 +115,28 @@ def _least_padding(seq_lens: torch.Tensor, max_tokens: int, multiple: int) -> li
         cuts.append((int(start[j]), j))
         j = int(start[j])
     return [order[a:b].tolist() for a, b in reversed(cuts)]
+
+
+def _fill_tokens(seq_lens: torch.Tensor, max_tokens: int, multiple: int) -> list[list[int]]:
+    """First-fit decreasing: each sequence, longest first, joins the first micro-batch whose
+    tokens (rounded up to `multiple`) stay within `max_tokens` with it, else starts one (a longer
+    sequence runs alone). At most one micro-batch is under half full, so their number is about
+    Σ lengths / max_tokens."""
+    order = torch.argsort(seq_lens, descending=True, stable=True).tolist()
+    lens = seq_lens.tolist()
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in order:
+        n = max(int(lens[i]), 1)
+        for j, u in enumerate(used):
+            if -(-(u + n) // multiple) * multiple <= max_tokens:
+                bins[j].append(i)
+                used[j] += n
+                break
+        else:
+            bins.append([i])
+            used.append(n)
+    return bins
 
 
 def padding_waste(seq_lens: torch.Tensor, micro_batches: Iterable[torch.Tensor], multiple: int = 1) -> tuple[int, int]:

@@ -9,6 +9,12 @@ attention stays causal within each sequence (models/torch_spec.py `SDPAttention`
 flash attention on CUDA), rotary positions restart at 0 in each one (the position ids do too),
 and everything per token (norms, MLPs, experts, the LM head) runs on real tokens only.
 
+The planner cuts packed micro-batches by tokens, not padded slots (`micro.plan_micro_batches(...,
+packed=True)`: Σ lengths within `learner.max_tokens_per_micro_batch`, first-fit longest first),
+so a budget holds more sequences and a step runs fewer micro-batches. A micro-batch is still
+materialised as its [b, S] rows (host, then device) and packed on the device: transient, at most
+b × S of the per-token fields (routes, top-K) beside the activations.
+
 Only the model's input and the per-token inputs of the loss are packed. What the loss computes
 per token (log π, entropy, divergences; `vocab_parallel`) is unpacked back to [b, S] before
 anything that works per sequence (aggregation, GSPO's sequence ratio, ASPO's ranking), so the

@@ -283,7 +283,7 @@ class Learner:
         mult = lc.pad_to_multiple_of * (self.ctx.tp if self.ctx.sequence_parallel else 1)
         lens = batch.seq_lens
         plan = plan_micro_batches(lens, max_tokens=lc.max_tokens_per_micro_batch,
-                                  max_sequences=lc.micro_batch_size, multiple=mult)
+                                  max_sequences=lc.micro_batch_size, multiple=mult, packed=self.pack)
         if self.ctx.dp > 1:
             n = torch.tensor([len(plan)], dtype=torch.int64, device=self.ctx.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.ctx.dp_group)

@@ -71,3 +71,22 @@ def test_configurations_packing_cannot_serve_are_refused(overrides, message):
     cfg = to_object(load_config("tiny_cpu", ["learner.pack_sequences=true", *overrides]))
     with pytest.raises(ValueError, match=message):
         validate(cfg)
+
+
+def test_packed_plan_bounds_tokens_not_padded_slots():
+    """With packing a micro-batch costs its tokens: the budget bounds Σ lengths (rounded up), every
+    sequence once, a longer one alone, and fewer micro-batches than the padded plan needs."""
+    from megatron_rl.batch import micro
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 600, (64,), generator=g)
+    lens[3] = 900  # over the budget: alone
+    plan = micro.plan_micro_batches(lens, max_tokens=800, multiple=8, packed=True)
+    assert sorted(i for mb in plan for i in mb.tolist()) == list(range(64))
+    for mb in plan:
+        total = -(-int(lens[mb].sum()) // 8) * 8
+        assert total <= 800 or mb.tolist() == [3], (mb.tolist(), total)
+    # First-fit decreasing: at most one micro-batch is at most half full.
+    assert sum(int(lens[mb].sum()) <= 400 for mb in plan) <= 1
+    padded = micro.plan_micro_batches(lens, max_tokens=800, multiple=8)
+    assert len(plan) < len(padded), (len(plan), len(padded))
