@@ -5,6 +5,16 @@ its JSON decode, `record_from_sglang`), the batch building, the distribution to 
 ranks over gloo, and the micro-batch cut. Only the model is missing: one stand-in server process
 per rank answers `/generate` with the bytes SGLang 0.5.23 would send for that sample.
 
+Wire (--wire). `compact` (the default: what the project's patched servers send since commit 7c14963):
+the client asks for SGLang's flat base64 top-K (`return_flat_raw_output_top_logprobs` +
+`return_flat_raw_top_logprobs_b64`), so `output_top_logprobs` is replaced by
+`output_top_logprobs_val_flat_b64` (base64 of float32 [T, K]), `…_idx_flat_b64` (int32 [T, K]),
+their `…_dtype` markers, `…_shape` [T, K] and `…_null_prefix` 0, and the routes are narrowed to
+uint8 behind a `uint8:` prefix (patches/sglang_fixes.py `encode_routes`, the detokenizer's patch).
+`nested` (before): SGLang's defaults, described next. Both draw the same arrays, so the records the
+client builds are identical; only the bytes on the wire and their parse differ. The JSON keeps
+`wire`, the bytes the servers sent (`server`) and `json_bytes_per_response_token`.
+
 Payloads. `sglang_response` builds the dict SGLang's tokenizer manager returns for one
 non-streamed sample (`tokenizer_manager.py`: text, output_ids, meta_info with id, finish_reason
 {"type": "stop", "matched": eos} or {"type": "length", "length": T}, prompt_tokens,
@@ -15,9 +25,11 @@ reasoning/completion/cached tokens, weight_versions, cached_tokens_details, rout
 base64 of int32 [P+T−1, L, k] (the detokenizer's pybase64 of the capturer's int32 tensor),
 dp_rank, e2e_latency, response_sent_to_client_ts), serialised as the server does
 (`sglang.srt.utils.json_response.dumps_json`: orjson with OPT_NON_STR_KEYS | OPT_SERIALIZE_NUMPY).
-The key order and nesting equal a response captured from a real SGLang 0.5.23 server
-(tests/e2e/data/sglang_generate_topk_routed.json; the e2e test compares them). Log-probs are
-float32 values (SGLang's tensors are float32) printed as their float64 repr, as SGLang's
+That is the `nested` wire; its key order and nesting equal a response captured from a real SGLang
+0.5.23 server (tests/e2e/data/sglang_generate_topk_routed.json; the e2e test compares them). The
+`compact` wire puts the six flat top-K fields where `output_top_logprobs` was (no capture of a
+patched server's body is kept; the e2e test checks the client reads both into the same record).
+Log-probs are float32 values (SGLang's tensors are float32) printed as their float64 repr, as SGLang's
 `.tolist()` + orjson print them; top-K rows are sorted, name distinct ids and hold the sampled
 token in ~95 % of rows; expert ids are distinct per (token, layer).
 
@@ -33,9 +45,10 @@ Why the funnel design cannot run whole at Table-1 scale on 24 GiB: `build_batch`
 routes as one int64 [B, S, L, k] tensor padded to the longest sequence, i.e. 4096 x ~16.7k x 48
 x 8 x 8 B ≈ 210 GB (≈ 214 GB at S = 17k), and broadcast_object_list pickles it (two more
 copies on rank 0, two on every receiver). Even the per-record int32 routes the client keeps are
-4096 x ~5.2k x 48 x 8 x 4 B ≈ 33 GB, and the JSON bodies ≈ 2.9 KB per token (base64 routes
-2 KiB, top-K text ~0.6 KiB) ≈ 14 MB per mean response ≈ 58 GB through rank 0. So `--design funnel`
-runs a fraction of the batch (`--fraction`, whole groups: the first groups of the draw) and
+4096 x ~5.2k x 48 x 8 x 4 B ≈ 33 GB, and the JSON bodies ≈ 2.9 KB per token on the nested
+wire (base64 int32 routes 2 KiB, top-K text ~0.6 KiB) ≈ 14 MB per mean response ≈ 58 GB through
+rank 0; ≈ 0.8 KB per token on the compact wire (uint8 routes 512 B a position, flat top-K 213 B).
+So `--design funnel` runs a fraction of the batch (`--fraction`, whole groups: the first groups of the draw) and
 reports the ratios measured there; its times and bytes are also extrapolated linearly to the
 full batch (by padded bytes B x S_pad, which is what those phases move), labelled extrapolated.
 
@@ -78,6 +91,7 @@ mini-batches cut). Targets at table1: <= 1.5, <= 1.1, <= 0.10, <= 8 s.
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale table1 --design funnel --fraction 1/256 --json out.json
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale table1 --design sharded --json out.json
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_data_path.py --scale small --design funnel|sharded --json out.json
+    (each with --wire compact (default) or --wire nested: SGLang's own encoding, for a before/after)
 """
 
 from __future__ import annotations
@@ -106,9 +120,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from patches.sglang_fixes import encode_routes  # noqa: E402
+
 EOS_ID, PAD_ID = 151645, 151643  # Qwen3's <|im_end|> and <|endoftext|>
 TOPK_STRIDE = 7919  # top-K ids = sampled id + j·7919 mod V: distinct for |j| < 20 (20·7919 < V)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+WIRES = ("compact", "nested")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,11 +176,16 @@ def prompt_ids(s: Scale, seed: int, group: int, length: int) -> list[int]:
 
 
 def sglang_response(*, rid: str, prompt: list[int], T: int, max_new_tokens: int, vocab: int,
-                    top_k: int, routed: tuple[int, int, int] | None, rng: np.random.Generator) -> dict:
+                    top_k: int, routed: tuple[int, int, int] | None, rng: np.random.Generator,
+                    wire: str) -> dict:
     """One sample's /generate answer, as SGLang 0.5.23's tokenizer manager builds it.
 
-    `routed` = (L, k, E) when routed experts were asked for. See the module docstring.
+    `routed` = (L, k, E) when routed experts were asked for. `wire`: "nested" (SGLang's defaults)
+    or "compact" (flat base64 top-K, uint8 routes: the patched server answering the client's
+    request); the same draws either way. See the module docstring.
     """
+    if wire not in WIRES:
+        raise ValueError(f"wire {wire!r} is not one of {WIRES}")
     P = len(prompt)
     length_cut = T >= max_new_tokens
     ids = rng.integers(0, PAD_ID, T)
@@ -195,15 +217,23 @@ def sglang_response(*, rid: str, prompt: list[int], T: int, max_new_tokens: int,
     }
     if top_k:
         meta["input_top_logprobs"] = []
-        meta["output_top_logprobs"] = [list(zip(lr, ir, none))
-                                       for lr, ir in zip(top_logp.tolist(), top_ids.tolist())]
+        if wire == "compact":  # tokenizer_manager.py's flat fields (return_b64=True)
+            meta.update(output_top_logprobs_val_flat_b64=base64.b64encode(top_logp.tobytes()).decode(),
+                        output_top_logprobs_idx_flat_b64=base64.b64encode(top_ids.astype(np.int32).tobytes()).decode(),
+                        output_top_logprobs_val_flat_b64_dtype="float32",
+                        output_top_logprobs_idx_flat_b64_dtype="int32",
+                        output_top_logprobs_shape=[T, top_k], output_top_logprobs_null_prefix=0)
+        else:
+            meta["output_top_logprobs"] = [list(zip(lr, ir, none))
+                                           for lr, ir in zip(top_logp.tolist(), top_ids.tolist())]
     meta.update(reasoning_tokens=0, completion_tokens=T, cached_tokens=0,
                 weight_versions=[{"version": "7", "start": 0, "end": T}], cached_tokens_details=None)
     if routed is not None:
         L, k, E = routed
         first = rng.integers(0, E, (P + T - 1, L, 1), dtype=np.int32)
         experts = (first + np.arange(k, dtype=np.int32) * (E // k)) % E  # distinct per (token, layer)
-        meta["routed_experts"] = base64.b64encode(experts.astype(np.int32).tobytes()).decode("utf-8")
+        meta["routed_experts"] = (encode_routes(experts) if wire == "compact" else  # patches/sglang_fixes.py
+                                  base64.b64encode(experts.astype(np.int32).tobytes()).decode("utf-8"))
     meta.update(dp_rank=None, e2e_latency=0.02 * T, response_sent_to_client_ts=time.time())
     text = rng.integers(97, 123, 4 * T, dtype=np.uint8).tobytes().decode("ascii")
     return {"text": text, "output_ids": ids_l, "meta_info": meta}
@@ -219,9 +249,10 @@ def dumps_json(content) -> bytes:
 # ------------------------------------------------------------------------------------------------
 # the stand-in server (one process per rank)
 # ------------------------------------------------------------------------------------------------
-def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.ndarray) -> None:
+def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.ndarray, wire: str) -> None:
     """Answer /generate for prompt i of the rank's call (= global group groups[i]), sample j, with
-    SGLang-shaped bytes; /bench_stats reports and stops. One response is built at a time."""
+    SGLang-shaped bytes on `wire` (the client asks for the flat top-K, which a patched server
+    then sends; checked); /bench_stats reports and stops. One response is built at a time."""
     from aiohttp import web
 
     stats = dict(responses=0, bytes=0, build_s=0.0)
@@ -233,13 +264,15 @@ def serve(conn, s: Scale, seed: int, name: str, groups: list[int], resp_len: np.
         _, i, j, _ = req["rid"].rsplit("-", 3)  # RolloutClient's rid: f"{batch}-{i}-{j}-a{attempt}"
         i, j = int(i), int(j)
         assert req["logprob_start_len"] == -1 and not req["stream"], req
+        assert not req.get("top_logprobs_num") or (req.get("return_flat_raw_output_top_logprobs")
+                                                   and req.get("return_flat_raw_top_logprobs_b64")), req.keys()
         t = time.perf_counter()
         out = sglang_response(
             rid=req["rid"], prompt=req["input_ids"], T=int(resp_len[groups[i], j]),
             max_new_tokens=req["sampling_params"]["max_new_tokens"], vocab=s.vocab,
             top_k=req.get("top_logprobs_num", 0),
             routed=(s.moe_layers, s.moe_topk, s.experts) if req.get("return_routed_experts") else None,
-            rng=np.random.default_rng([seed, 2, groups[i], j]))
+            rng=np.random.default_rng([seed, 2, groups[i], j]), wire=wire)
         body = dumps_json(out)
         del out
         stats["build_s"] += time.perf_counter() - t
@@ -566,18 +599,19 @@ def learner_stand_in(s: Scale, rank: int, world: int):
     cfg.learner.max_tokens_per_micro_batch = s.max_tokens
     ctx = types.SimpleNamespace(dp=world, dp_rank=rank, dp_group=dist.group.WORLD, tp=1,
                                 sequence_parallel=False, device=torch.device("cpu"))
-    return types.SimpleNamespace(cfg=cfg, ctx=ctx)
+    # pack: padded micro-batches, what the figures measure (learner.pack_sequences off)
+    return types.SimpleNamespace(cfg=cfg, ctx=ctx, pack=False)
 
 
 # ------------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------------
-def start_servers(s: Scale, seed: int, rank_groups: list[list[int]], resp_len: np.ndarray):
+def start_servers(s: Scale, seed: int, rank_groups: list[list[int]], resp_len: np.ndarray, wire: str):
     ctx = multiprocessing.get_context("spawn")
     servers = []
     for r, groups in enumerate(rank_groups):
         parent, child = ctx.Pipe()
-        p = ctx.Process(target=serve, args=(child, s, seed, f"server r{r}", groups, resp_len), daemon=True)
+        p = ctx.Process(target=serve, args=(child, s, seed, f"server r{r}", groups, resp_len, wire), daemon=True)
         p.start()
         servers.append((p, parent))
     urls = []
@@ -633,6 +667,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="sharded: learner.max_tokens_per_micro_batch (default per scale: table1 20480, small 4096)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wire", choices=WIRES, default="compact",
+                    help="the stand-in servers' encoding: compact (patched servers: flat base64 top-K, uint8 "
+                         "routes) or nested (SGLang's own JSON top-K, int32 routes: the figures before 7c14963)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
 
@@ -657,10 +694,10 @@ def main() -> None:
         frac = fractions.Fraction(1)
         rank_groups = shares(s)[:world]
     gen_groups = sorted(g for gs in rank_groups for g in gs)
-    print(f"bench_data_path: scale={args.scale} design={args.design} groups generated={len(gen_groups)} "
-          f"x {s.samples} samples, response mean of the whole draw {resp_len.mean():.0f} tokens", flush=True)
+    print(f"bench_data_path: scale={args.scale} design={args.design} wire={args.wire} "
+          f"groups generated={len(gen_groups)} x {s.samples} samples, response mean of the whole draw {resp_len.mean():.0f} tokens", flush=True)
 
-    servers, urls = start_servers(s, args.seed, rank_groups, resp_len)
+    servers, urls = start_servers(s, args.seed, rank_groups, resp_len, args.wire)
     try:
         t0 = time.monotonic()
         fn = funnel_rank if args.design == "funnel" else sharded_rank
@@ -676,7 +713,7 @@ def main() -> None:
     slots = sum(r["slots"] for r in ranks)
     gP, gT = prompt_len[gen_groups], resp_len[gen_groups]
     res: dict = dict(
-        scale=args.scale, design=args.design, commit=git_commit(),
+        scale=args.scale, design=args.design, wire=args.wire, commit=git_commit(),
         date=datetime.date.today().isoformat(), torch=torch.__version__, processes=world,
         config=dataclasses.asdict(s) | dict(
             lengths=f"response ~ round(lognormal(mu={s.mu:.4f}, sigma={s.sigma})) clipped to "
@@ -686,6 +723,8 @@ def main() -> None:
         memory_method="peak_extra_bytes = ru_maxrss at the end − RSS before generation; "
                       "peak_extra_bytes_sampled = /proc/self/statm every 5 ms − RSS before",
         wall_s=wall, server=server_stats, per_rank=ranks,
+        json_bytes_per_response_token=sum(x["bytes"] for x in server_stats) / float(gT.sum()),
+        client_cpu_s_per_response_token=sum(r["client_cpu_s"] for r in ranks if "client_cpu_s" in r) / float(gT.sum()),
     )
     share_of = lambda groups: compact_nbytes(prompt_len[groups][:, None].repeat(s.samples, 1), resp_len[groups], s)
     if args.design == "funnel":
@@ -742,6 +781,8 @@ def main() -> None:
         )
     for k in ("rank0_peak_over_batch_bytes", "max_rank_recv_over_share", "padding_waste", "assemble_distribute_s"):
         print(f"{k:32s} {res[k]:.3f}")
+    print(f"{'json_bytes_per_response_token':32s} {res['json_bytes_per_response_token']:.0f}  ({args.wire} wire)")
+    print(f"{'client_cpu_us_per_response_token':32s} {res['client_cpu_s_per_response_token'] * 1e6:.2f}")
     if "extrapolated_full_batch" in res:
         e = res["extrapolated_full_batch"]
         print(f"extrapolated to the full batch: assemble_distribute_s {e['assemble_distribute_s']:.1f}, rank 0 peak "

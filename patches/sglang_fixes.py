@@ -20,7 +20,7 @@
   Qwen3-30B-A3B's 48 layers × top-8, though its 128 expert ids fit a byte. The fixed
   `handle_batch_token_id_out` encodes `routed_experts` itself (`indexer_topk` stays SGLang's
   int32): as uint8 when every id is in [0, 255], int16 when in [0, 32767], behind a `uint8:` /
-  `int16:` prefix (':' is outside base64's alphabet; rollout/records.py `decode_routed_experts`
+  `int16:` prefix (':' is outside base64's alphabet; rollout/wire.py `decode_routed_experts`
   reads the width from it), else unprefixed int32 as before. Measured (benchmarks/
   bench_rollout_parse.py, a 16k-token response of 16,639 positions × 48 × 8, 2026-11-28):
   520 B per response token on the wire instead of 2,080, encoded in 24–30 ms instead of

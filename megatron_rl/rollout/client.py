@@ -33,7 +33,7 @@ key is ever produced twice — whatever happens to the servers:
 - 4xx answers (a bad request) are not retried: they raise at once with the server's message;
 - a 200 answer that is malformed (a missing field, a string where a number belongs, a top-K row
   of the wrong width, routed experts of the wrong size or naming an expert ≥ num_experts, an
-  unknown finish_reason: see records.py) is a server bug, not retried: `RolloutError` names the
+  unknown finish_reason: see wire.py) is a server bug, not retried: `RolloutError` names the
   sample (prompt and sample index), the request id and server, and the field's path in the
   response (e.g. `meta_info.output_token_logprobs[37][1]`).
 After `max_attempts` failed attempts on one key the whole call raises `RolloutError` naming the
@@ -101,15 +101,8 @@ from .http import (  # noqa: F401 (the errors, _loads and ServerAPI: re-exported
     ServerAPI, _loads,
 )
 from .watchdog import Stalled, StallWatchdog
-from .records import (
-    UNKNOWN_VERSION,
-    MalformedResponse,
-    RolloutRecord,
-    finish_reason,
-    merge_segments,
-    record_from_sglang,
-    version_number,
-)
+from .records import UNKNOWN_VERSION, RolloutRecord, merge_segments, record_from_sglang, version_number
+from .wire import MalformedResponse, finish_reason
 
 logger = logging.getLogger(__name__)
 
@@ -505,7 +498,7 @@ class RolloutClient:
             ids += seg.response_ids.tolist()
             budget -= seg.num_response_tokens
             finish = seg.finish_reason
-            if finish == "abort":  # records.py's finish kinds; the fix-ups in the module docstring
+            if finish == "abort":  # wire.py's finish kinds; the fix-ups in the module docstring
                 finish = "stop" if ids[-1] in stops else "length" if budget <= 0 else None
             if finish is not None:
                 break
@@ -565,7 +558,7 @@ class RolloutClient:
         batch = uuid.uuid4().hex[:12]
         payload_base = {"return_logprob": True, "logprob_start_len": -1, "stream": False}
         if top_k_logprobs:
-            # SGLang's flat base64 top-K (float32 / int32 arrays, records.py): 213 B a token at K = 20
+            # SGLang's flat base64 top-K (float32 / int32 arrays, wire.py): 213 B a token at K = 20
             # against ~660 of [logp, id, null] JSON. Non-streamed requests only, as every one here.
             payload_base.update(top_logprobs_num=top_k_logprobs, return_flat_raw_output_top_logprobs=True,
                                 return_flat_raw_top_logprobs_b64=True)

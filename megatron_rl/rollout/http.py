@@ -5,7 +5,7 @@ Response bodies are parsed with orjson (several times faster than json on the lo
 with Python's cyclic GC paused: a 16k-token response with top-20 log-probs is ~350 k small lists,
 whose allocation otherwise triggers repeated full collections that cost 3–4x the parse itself.
 The bulky fields of a /generate answer (top-K log-probs, routed experts) stay raw bytes for
-records.py to read in numpy. A non-200 answer raises `SGLangHTTPError` with the server's message.
+wire.py to read in numpy. A non-200 answer raises `SGLangHTTPError` with the server's message.
 `update_weights_from_tensor` / `update_weights_from_distributed` must run between
 `begin_weight_update` and `end_weight_update` (SGLang answers 400 otherwise).
 
@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .records import MalformedResponse, split_bulk_fields
+from .wire import MalformedResponse, split_bulk_fields
 
 CONTROL_TIMEOUT_S = 600.0  # control endpoints (weights, health, ...) and /classify by default
 NO_TIMEOUT = math.inf  # a request timeout that never fires (ServerAPI)
@@ -62,7 +62,7 @@ def _gc_paused():
 def _loads(body: bytes, url: str, route: str) -> Any:
     bulk = {}
     if route == "/generate":
-        # The bulky values stay raw bytes (records.py reads them in numpy): parsing a 16k-token
+        # The bulky values stay raw bytes (wire.py reads them in numpy): parsing a 16k-token
         # answer's top-K into Python lists would cost ~2x its body in transient memory.
         body, bulk = split_bulk_fields(body)
     try:

@@ -1,9 +1,10 @@
 """benchmarks/bench_data_path.py (issue 20) at --scale small, both designs, as CI runs it.
 
-- the stand-in server's payload has the shape of a real SGLang 0.5.23 `/generate` answer: the
-  same keys in the same order and nesting as one captured from a real server (tiny Qwen3-MoE,
-  top_logprobs_num=3, routed experts; tests/e2e/data/sglang_generate_topk_routed.json), and the
-  client's `record_from_sglang` reads both;
+- the stand-in server's payload has the shape of a real SGLang 0.5.23 `/generate` answer: on the
+  nested wire the same keys in the same order and nesting as one captured from a real server
+  (tiny Qwen3-MoE, top_logprobs_num=3, routed experts; tests/e2e/data/sglang_generate_topk_routed.json),
+  and the client's `record_from_sglang` reads both; on the compact wire (the default: flat base64
+  top-K, `uint8:` routes) the same draws, read into the same record, in fewer bytes;
 - each design's JSON has the issue's keys with sane values, and what the pipeline measured agrees
   with arithmetic on the drawn lengths (funnel: the padding waste of padding everything to the
   longest sequence; the received batch bytes = B x S_pad x the batch's bytes per position);
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks" / "bench_data_path.py"
@@ -55,7 +57,7 @@ def test_payload_is_shaped_like_sglang():
     prompt = [1, 40, 41, 18, 20, 2, 5, 1, 13]
     ours = json.loads(bench.dumps_json(bench.sglang_response(
         rid="b-0-0-a0", prompt=prompt, T=6, max_new_tokens=6, vocab=256, top_k=3, routed=(2, 2, 8),
-        rng=np.random.default_rng(0))))
+        rng=np.random.default_rng(0), wire="nested")))
     assert skeleton(ours) == skeleton(real)
     assert ours["meta_info"]["finish_reason"] == real["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
     # the server's own serialisation reproduces the captured bytes exactly
@@ -70,7 +72,7 @@ def test_payload_is_shaped_like_sglang():
     T = 500
     resp = json.loads(bench.dumps_json(bench.sglang_response(
         rid="b-3-1-a0", prompt=prompt, T=T, max_new_tokens=16384, vocab=151936, top_k=20, routed=(48, 8, 128),
-        rng=np.random.default_rng(1))))
+        rng=np.random.default_rng(1), wire="nested")))
     assert resp["meta_info"]["finish_reason"] == {"type": "stop", "matched": bench.EOS_ID}
     rec = record_from_sglang(resp, prompt_ids=prompt, prompt_index=3, sample_index=1, temperature=1.0,
                              top_k=20, moe_topk=8, num_experts=128)
@@ -84,6 +86,26 @@ def test_payload_is_shaped_like_sglang():
     routes = rec.sequence_routed_experts()
     assert routes.shape == (len(prompt) + T - 1, 48, 8)
     assert (routes.sort(dim=-1).values.diff(dim=-1) > 0).all()
+
+    # the compact wire: the same draws, flat top-K in place of the nested one, uint8 routes; the
+    # client's body parse reads it into the same record
+    from megatron_rl.rollout.http import _loads
+
+    body = bench.dumps_json(bench.sglang_response(
+        rid="b-3-1-a0", prompt=prompt, T=T, max_new_tokens=16384, vocab=151936, top_k=20, routed=(48, 8, 128),
+        rng=np.random.default_rng(1), wire="compact"))
+    compact = json.loads(body)
+    meta, nested_meta = compact["meta_info"], resp["meta_info"]
+    assert "output_top_logprobs" not in meta and meta["output_top_logprobs_shape"] == [T, 20]
+    assert meta["routed_experts"].startswith("uint8:")
+    flat_keys = [k for k in meta if k.startswith("output_top_logprobs_")]
+    assert [k for k in meta if k not in flat_keys] == [k for k in nested_meta if k != "output_top_logprobs"]
+    assert len(body) < len(bench.dumps_json(resp)) / 3
+    rec2 = record_from_sglang(_loads(body, "b", "/generate"), prompt_ids=prompt, prompt_index=3, sample_index=1,
+                              temperature=1.0, top_k=20, moe_topk=8, num_experts=128)
+    for name in ("response_ids", "rollout_logp", "topk_ids", "topk_logp", "routes", "versions"):
+        assert torch.equal(getattr(rec2, name), getattr(rec, name)), name
+    assert rec2.finish_reason == rec.finish_reason and rec2.weight_version == rec.weight_version
 
 
 def _run(design: str, tmp_path: Path) -> dict:

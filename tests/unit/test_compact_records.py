@@ -1,6 +1,6 @@
-"""Compact rollout records on the wire: SGLang's flat base64 top-K log-probs (records.py reads
+"""Compact rollout records on the wire: SGLang's flat base64 top-K log-probs (rollout/wire.py reads
 them, client.py asks for them) and routed experts narrowed to uint8 / int16 behind a width
-prefix (patches/sglang_fixes.py writes them, records.py `decode_routed_experts` reads them).
+prefix (patches/sglang_fixes.py writes them, wire.py `decode_routed_experts` reads them).
 
 The flat fields are built here the way SGLang 0.5.23 builds them (tokenizer_manager.py
 `_build_flat_top_logprobs_fields` with `return_b64`: float32 / int32 arrays of the same rows it
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.http import _loads
-from megatron_rl.rollout.records import MalformedResponse, decode_routed_experts, record_from_sglang
+from megatron_rl.rollout.wire import MalformedResponse, decode_routed_experts
 from patches.sglang_fixes import _narrow_routes, encode_routes
 from test_records import K, KR, L, build, sglang_response
 
@@ -241,7 +241,7 @@ INSTALLED_SGLANG_CHECK = textwrap.dedent("""
         from sglang.srt.managers.detokenizer_manager import DetokenizerManager
         from sglang.srt.managers.io_struct import BatchTokenIDOutput, BatchStrOutput
         from sglang.srt.managers.tokenizer_manager import _build_flat_top_logprobs_fields
-        from megatron_rl.rollout.records import decode_routed_experts
+        from megatron_rl.rollout.wire import decode_routed_experts
         from test_records import sglang_response, build, K
         from test_compact_records import _same_record
         h = DetokenizerManager.handle_batch_token_id_out

@@ -27,9 +27,7 @@ from megatron_rl.rollout.client import RolloutClient, RolloutError, SamplingPara
 from megatron_rl.rollout.records import (
     NO_ROUTE_U8,
     UNKNOWN_VERSION,
-    MalformedResponse,
     RolloutRecord,
-    decode_routed_experts,
     force_sampled_into_topk,
     no_route,
     record_from_sglang,
@@ -37,6 +35,7 @@ from megatron_rl.rollout.records import (
     token_versions,
     version_number,
 )
+from megatron_rl.rollout.wire import MalformedResponse, decode_routed_experts
 
 L, KR, E, K = 3, 2, 8, 4  # MoE layers, router top-k, experts, top-K log-probs
 
