@@ -104,6 +104,7 @@ class _InRotation:
 
 class Fleet:
     generations = 0  # steps' generations this producer finished (rank 0's: `follow_training`)
+
     def __init__(self, cfg: JobConfig, ctx: ParallelContext, hf_path: Path, tokenizer,
                  out_dir: Path, moe_topk: Optional[int], num_experts: Optional[int] = None):
         self.cfg, self.ctx, self.tokenizer = cfg, ctx, tokenizer

@@ -12,7 +12,6 @@ import pytest
 
 from patches import sglang_cpu, sglang_fixes
 from patches._guard import UnsupportedVersionError
-from test_compact_records import INSTALLED_SGLANG_CHECK as COMPACT_RECORDS_CHECK
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,7 +129,11 @@ def test_applies_to_installed_sglang():
         assert not hasattr(inner, "_megatron_rl_fixed")
         """
     )
-    run_parts({"patches": code, "compact records": COMPACT_RECORDS_CHECK}, timeout=300)
+    # Imported here, not at the module's top: other tests import this module as `tests.unit.…` in a
+    # fresh interpreter, where tests/unit is not on the path.
+    from test_compact_records import INSTALLED_SGLANG_CHECK
+
+    run_parts({"patches": code, "compact records": INSTALLED_SGLANG_CHECK}, timeout=300)
 
 
 def _murmur3_x86_32(key: bytes, seed: int = 0) -> int:
