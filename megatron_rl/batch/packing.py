@@ -68,13 +68,14 @@ class Packing:
         return out.view(self.b, self.S, *y.shape[1:])
 
     def record_stream(self, stream) -> None:  # as a tensor of the micro-batch (learner.Prefetched)
-        for t in (self.index, self.params.cu_seqlens_q, self.params.cu_seqlens_kv):
+        for t in (self.index, self.params.cu_seqlens_q):
             t.record_stream(stream)
 
     def to(self, device) -> "Packing":
         p = self.params
-        return Packing(self.index.to(device), self.b, self.S, self.T, PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=p.cu_seqlens_q.to(device), cu_seqlens_kv=p.cu_seqlens_kv.to(device),
+        cu = p.cu_seqlens_q.to(device)  # one tensor for q and kv: attention sees they are the same
+        return Packing(self.index.to(device), self.b, self.S, self.T, PackedSeqParams(  # without a sync
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
             max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv))
 
 

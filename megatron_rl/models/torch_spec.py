@@ -144,8 +144,9 @@ class SDPAttention(MegatronModule):
         start_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else cu_q
         start_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else cu_k
         unpadded = start_q is cu_q or torch.equal(start_q, cu_q)
+        # (`is` first: torch.equal on CUDA tensors waits for the device, once per layer otherwise)
         if (_varlen_attn is not None and q_TND.is_cuda and q_TND.dtype in (torch.bfloat16, torch.float16)
-                and dropout_p == 0.0 and unpadded and torch.equal(cu_q, cu_k)):
+                and dropout_p == 0.0 and unpadded and (cu_q is cu_k or torch.equal(cu_q, cu_k))):
             out = _varlen_attn(q_TND, k_TND, v_TND, cu_q.int(), cu_k.int(), int(params.max_seqlen_q),
                                int(params.max_seqlen_kv), scale=self.softmax_scale,
                                gqa=self.num_heads != self.num_kv_heads)

@@ -26,6 +26,10 @@ def test_pack_lays_the_sequences_end_to_end_and_unpack_puts_them_back():
     assert p.params.qkv_format == "thd"
     assert p.params.cu_seqlens_q.tolist() == [0, 3, 8, 9, 12] == p.params.cu_seqlens_kv.tolist()
     assert p.params.cu_seqlens_q.dtype == torch.int32 and p.params.max_seqlen_q == 5
+    # On the device q and kv share one tensor: attention checks `is` before comparing them, which on
+    # CUDA would wait for the device once per layer (models/torch_spec.py SDPAttention._packed).
+    moved = p.to("cpu").params
+    assert moved.cu_seqlens_q is moved.cu_seqlens_kv
     assert packed_positions(p, "cpu").tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 0, 0, 1, 2]]
     back = p.unpack(packed)
     keep = torch.arange(S)[None] < lens[:, None]
