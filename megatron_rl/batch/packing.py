@@ -105,9 +105,10 @@ def packed_positions(p: Packing, device) -> torch.Tensor:
 
 def per_token(mb: dict, key: str, fill: float | int | None = None) -> torch.Tensor:
     """`mb[key]` ([b, S, ...]) laid out as the model's output is: packed [1, T, ...] when the
-    micro-batch is (`mb["packing"]`), else as it is."""
-    pk = mb.get("packing")
-    return mb[key] if pk is None else pk.pack(mb[key], fill)
+    micro-batch is (`mb["packing"]`), else as it is; None where the micro-batch has no such field
+    (as `mb.get`, which the loss closures used before packing)."""
+    x, pk = mb.get(key), mb.get("packing")
+    return x if pk is None or x is None else pk.pack(x, fill)
 
 
 def unpacked(mb: dict, x: torch.Tensor | None) -> torch.Tensor | None:
