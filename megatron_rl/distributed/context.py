@@ -47,6 +47,11 @@ def _first_slurm_host(nodelist: str) -> str:
     return m.group(1) + (m.group(2) or "")
 
 
+def slurm_master_port(env) -> int:
+    """The rendezvous port of a Slurm job's attempt: 20000 + (job id mod 5000) x 4 + restart count mod 4."""
+    return 20000 + (int(env.get("SLURM_JOB_ID", 0)) % 5000) * 4 + int(env.get("SLURM_RESTART_COUNT", 0)) % 4
+
+
 def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     """Rank layout from torchrun's variables, else Slurm's (in a job step), else a single process."""
     env = os.environ if environ is None else environ
@@ -58,8 +63,9 @@ def read_launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     # SLURM_PROCID=0 and the job's SLURM_NTASKS, but has no peers.
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_STEP_ID" in env:
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "localhost"))
-        # A port derived from the job id keeps concurrent jobs on one node apart.
-        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+        # A port derived from the job id keeps concurrent jobs on one node apart, and from the
+        # attempt a requeued job off its failed predecessor's port (as slurm/megatron_rl.sbatch).
+        port = int(env.get("MASTER_PORT", slurm_master_port(env)))
         return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
                          int(env.get("SLURM_LOCALID", 0)), addr, port)
     # A lone process: port 0, its store binds whatever port the kernel gives it (so several

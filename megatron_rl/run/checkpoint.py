@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -51,6 +52,8 @@ import os
 import queue
 import random
 import shutil
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -290,7 +293,14 @@ def _write_shards(requests: list) -> None:
             req.async_fn(*req.async_fn_args, **req.async_fn_kwargs)
 
 
-def _forked_writer(requests: list, done_at) -> None:
+def _forked_writer(requests: list, done_at, parent_pid: int) -> None:
+    # Dies with its rank: a rank killed mid-save (out of memory, SIGKILL) must not leave a writer that
+    # goes on filling step_N.tmp while the requeued attempt clears it and saves step N there anew.
+    # PR_SET_PDEATHSIG follows the forking thread: the loop's, which lives as long as the rank.
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the rank died before prctl took effect
+        os._exit(1)
     gc.disable()  # a collection in the fork could free the parent's CUDA tensors (megatron-core does the same)
     _write_shards(requests)
     done_at.value = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the parent's
@@ -447,7 +457,7 @@ class Checkpointer:
                 if self.async_save:
                     fork = mp.get_context("fork")
                     job.done_at = fork.Value("d", 0.0, lock=False)
-                    job.process = fork.Process(target=_forked_writer, args=(requests, job.done_at),
+                    job.process = fork.Process(target=_forked_writer, args=(requests, job.done_at, os.getpid()),
                                                name=f"checkpoint-{step}")
                     job.forked_at = time.monotonic()
                     job.process.start()

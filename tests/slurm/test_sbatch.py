@@ -542,6 +542,21 @@ def release(jobid: str, tmp_path: Path, restarts: int, timeout: float = 300, **u
                     *(f"{k}={v}" for k, v in update.items())], check=True)
 
 
+def attempts(run: Path, jobid: str, lines: int = 6) -> str:
+    """Each attempt in short, for a failed assertion: its failure.txt, srun's stderr and the last
+    lines of every rank log (the whole job log comes after, and CI keeps only its ends)."""
+    out = []
+    for folder in sorted((run / "logs").glob(f"{jobid}.*"), key=lambda p: int(p.name.split(".")[1])):
+        out.append(f"==== attempt {folder.name}")
+        for f in [folder / "failure.txt", folder / "srun.err", *sorted(folder.glob("learner-rank*.log"))]:
+            if f.exists():
+                tail = [line[:300] for line in f.read_text(errors="replace").splitlines()[-lines:]]
+                out.append(f"-- {f.name}:\n" + "\n".join(tail))
+    failures = run / "failures.tsv"
+    out.append("==== failures.tsv:\n" + (failures.read_text() if failures.exists() else "(none)"))
+    return "\n".join(out)
+
+
 def kill_rank(jobid: str, rank: int) -> int:
     """SIGKILL learner rank `rank` of the job (the `megatron_rl.cli` process srun started with that
     SLURM_PROCID; not the servers or workers it started). Returns its PID."""
@@ -613,12 +628,13 @@ def test_interruptions_and_failures_requeue_and_resume_rl_trainer(slurm_cluster,
 
     info = wait_for(jobid, tmp_path, timeout=500, release_requeued=True)
     log = job_log(tmp_path, jobid)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", log
-    assert info["Restarts"] == "3" and log.count("requeueing job") == 3, log
+    why = attempts(run, jobid) + "\n==== job log:\n" + log
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", why
+    assert info["Restarts"] == "3" and log.count("requeueing job") == 3, why
     assert "learner ranks stopped before the time limit: stopped at step" in log, log
     failures = [line.split("\t") for line in (run / "failures.tsv").read_text().splitlines()]
-    assert [f[0] for f in failures] == [f"{jobid}.1", f"{jobid}.2"], failures
-    assert log.count("in a row without a newer checkpoint") == 2, log
+    assert [f[0] for f in failures] == [f"{jobid}.1", f"{jobid}.2"], why
+    assert log.count("in a row without a newer checkpoint") == 2, why
     assert not (run / "requeue").exists()
     assert_two_ranks(run, jobid, log)
     preempted = rl_rows(run)

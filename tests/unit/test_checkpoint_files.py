@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from megatron_rl.run import checkpoint
 from megatron_rl.run.checkpoint import Checkpointer, _Save, latest_checkpoint
 
@@ -73,3 +75,55 @@ def test_what_an_unfinished_save_left_is_removed_at_the_start(tmp_path):
     assert Checkpointer(tmp_path, log=lines.append).remove_abandoned() == [] and lines == []  # nothing left: silent
     assert Checkpointer(Path(tmp_path) / "new", log=lines.append).remove_abandoned() == []  # no folder yet
     assert not checkpoint.checkpoints_root(tmp_path / "new").exists()
+
+
+def _slow_write(path: str) -> None:
+    import time
+
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(60)
+
+
+def _rank_that_forks_a_writer(pid_file: str) -> None:
+    """A rank's loop thread forking an asynchronous save's writer as Checkpointer.save does, then
+    waiting (to be SIGKILLed)."""
+    import multiprocessing as mp
+    import time
+    from types import SimpleNamespace
+
+    fork = mp.get_context("fork")
+    request = SimpleNamespace(async_fn=_slow_write, async_fn_args=(pid_file,), async_fn_kwargs={})
+    fork.Process(target=checkpoint._forked_writer, args=([request], fork.Value("d", 0.0, lock=False), os.getpid())).start()
+    time.sleep(60)
+
+
+@pytest.mark.slow
+def test_an_asynchronous_writer_dies_with_its_rank(tmp_path):
+    """A rank SIGKILLed mid-save (out of memory, a lost node's srun) takes its forked writer down
+    within moments, so no writer of a failed attempt fills step_N.tmp while the requeued attempt
+    clears it and saves step N there anew. Without PR_SET_PDEATHSIG the writer, reparented, lives
+    on for its whole write (here 60 s)."""
+    import multiprocessing as mp
+    import signal
+    import time
+
+    pid_file = tmp_path / "writer.pid"
+    rank = mp.get_context("spawn").Process(target=_rank_that_forks_a_writer, args=(str(pid_file),))
+    rank.start()
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    writer = int(pid_file.read_text())
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join(10)
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie waiting for its reaper is gone as a writer
+
+    while alive(writer) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(writer), "the writer outlived its rank"

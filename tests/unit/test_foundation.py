@@ -236,7 +236,9 @@ def test_launch_env_slurm(monkeypatch):
     assert (read_launch_env(job).rank, read_launch_env(job).world_size) == (0, 1)
     env = read_launch_env(job | {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "5"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (5, 16, 5, "gpu017")
-    assert env.master_port == 20000 + 4242
+    assert env.master_port == 20000 + 4 * 4242
+    # a requeued attempt rendezvous on a port of its own (its predecessor's may still be held)
+    assert read_launch_env(job | {"SLURM_STEP_ID": "0", "SLURM_RESTART_COUNT": "1"}).master_port == 20000 + 4 * 4242 + 1
 
 
 def test_local_device():
