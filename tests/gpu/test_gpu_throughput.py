@@ -220,6 +220,7 @@ def _measure(ctx, hf: Path, spec: dict, name: str) -> dict:
         # 1.005-1.036x), which would charge the RL step for it.
         if spec.get("rl_step", True):
             out |= _dppo_topk_step(learner, cfg, batch, spec, times[WARMUP[dev]:])
+            out["varlen"] = _varlen_rl_step(learner, cfg, spec)
         with gpu_profile.optimizer_ranges(learner.optimizer):
             out["profile"] = gpu_profile.profile_step(lambda: learner.train_step(batch), dev, step)
     if dev == "cuda":
@@ -270,6 +271,73 @@ def _dppo_topk_step(learner, cfg, batch: dict, spec: dict, nll_times: list[float
         out[f"{loss}_topk_{kernel}"] = dict(
             step_s=step, all_step_s=times, grad_norms=norms, over_nll_step=step / statistics.median(nll_times),
             masked_frac=diag["masked_frac"], **{k: diag[k] for k in diag if k.startswith("cppo_") and "/" not in k})
+    return out
+
+
+def _varlen_rl_step(learner, cfg, spec: dict) -> dict:
+    """The RL step on sequences of the lengths RL produces, padded against packed: a 256-token
+    prompt and responses lognormal (median seq/4, sigma 0.84, cut at seq - 256, as
+    benchmarks/bench_fleet.py draws them) until they hold the NLL steps' batch x seq tokens; DPPO
+    with the binary TV trust region through `PolicyLoss`; token-budget micro-batches of
+    micro_batch x seq tokens (`learner.max_tokens_per_micro_batch`), each either padded to its
+    longest sequence (`learner.pack_sequences=false`) or its sequences end to end in one row (true:
+    THD, torch's varlen attention on CUDA). The same learner, its micro-batch count lifted so that
+    the token budget alone cuts. Figures per layout: the step, real tokens per second, the
+    micro-batches and the tokens the layers computed (padding included)."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rl.batch import RolloutBatch
+    from megatron_rl.batch.micro import padded_len
+    from megatron_rl.rollout.records import RolloutRecord
+    from megatron_rl.trainer.policy import PolicyLoss
+
+    dev = gpu_common.device()
+    S, prompt = spec["seq"], min(256, spec["seq"] // 4)
+    g = torch.Generator().manual_seed(2)
+    records, total = [], 0
+    while total < spec["batch"] * S:
+        n = int(min(S - prompt, max(1, round(float(torch.exp(torch.randn(1, generator=g) * 0.84)) * S / 4))))
+        i = len(records)
+        records.append(RolloutRecord(
+            prompt_index=i // 4, sample_index=i % 4,
+            prompt_ids=torch.randint(0, spec["hf"]["vocab_size"], (prompt,), generator=g),
+            response_ids=torch.randint(0, spec["hf"]["vocab_size"], (n,), generator=g),
+            rollout_logp=-3 * torch.rand(n, generator=g), topk_ids=None, topk_logp=None, routes=None,
+            finish_reason="stop", weight_version="0", temperature=1.0))
+        total += prompt + n
+    batch = RolloutBatch.from_records(records, [float(i % 2) for i in range(len(records))],
+                                      group_ids=[r.prompt_index for r in records],
+                                      mini_batch=[0] * len(records), pad_id=0)
+    batch["advantages"] = torch.randn(len(batch), int(batch.seq_lens.max()), generator=g)
+    algo = dataclasses.replace(cfg.algorithm, policy_loss="dppo", divergence="binary_tv")
+    lc = learner.cfg.learner
+    saved = (lc.max_tokens_per_micro_batch, lc.micro_batch_size, learner.pack)
+    lc.max_tokens_per_micro_batch, lc.micro_batch_size = spec["micro_batch"] * S, len(batch)
+    out = {}
+    try:
+        for layout, pack in (("padded", False), ("packed", True)):
+            learner.pack = pack
+            times = []
+            for _ in range(WARMUP[dev] + TIMED[dev]):
+                loss_fn = PolicyLoss(algo, batch, 1.0, S, dp_group=learner.ctx.dp_group, device=learner.ctx.device)
+                gpu_common.synchronize()
+                t0 = time.perf_counter()
+                learner.train_step(batch, loss_fn)
+                gpu_common.synchronize()
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times[WARMUP[dev]:])
+            lens = batch.seq_lens
+            mult = lc.pad_to_multiple_of  # one rank: no sequence-parallel split
+            computed = sum(padded_len(int(lens[i].sum()), mult) if pack else i.numel() * padded_len(int(lens[i].max()), mult)
+                           for i in learner._plan)
+            out[layout] = dict(step_s=step, all_step_s=times, tokens_per_s=total / step,
+                               micro_batches=len(learner._plan), computed_tokens=computed)
+    finally:
+        lc.max_tokens_per_micro_batch, lc.micro_batch_size, learner.pack = saved
+    out |= dict(sequences=len(batch), real_tokens=total,
+                packed_over_padded_tokens_per_s=out["packed"]["tokens_per_s"] / out["padded"]["tokens_per_s"])
     return out
 
 
@@ -325,6 +393,15 @@ def test_learner_throughput_and_mfu(name):
     for variant, out in per_spec.items():
         gap = max(abs(a - b) for a, b in zip(out["losses"], torch_["losses"]))
         assert gap <= 0.02 + 0.002 * max(torch_["losses"]), (variant, out["losses"], torch_["losses"])
+    if "varlen" in torch_:  # RL lengths: packed against padded token-budget micro-batches
+        v = torch_["varlen"]
+        print(f"{name}: {v['sequences']} sequences of RL lengths, {v['real_tokens']} tokens: padded "
+              f"{v['padded']['tokens_per_s']:.0f} tokens/s ({v['padded']['micro_batches']} micro-batches, "
+              f"{v['padded']['computed_tokens']} computed), packed {v['packed']['tokens_per_s']:.0f} "
+              f"({v['packed']['micro_batches']}, {v['packed']['computed_tokens']}): "
+              f"{v['packed_over_padded_tokens_per_s']:.2f}x")
+        assert v["real_tokens"] <= v["packed"]["computed_tokens"] < v["padded"]["computed_tokens"], v
+        assert v["packed"]["micro_batches"] <= v["padded"]["micro_batches"], v
     # Where the time went: every category present, shares summing to 1.
     prof = torch_["profile"]
     assert abs(sum(prof["share"].values()) - 1) < 1e-6 and prof["top_kernels"], prof
