@@ -53,7 +53,10 @@ queueing in it:
   prompts E[c] is 4.9k: 376-386 slots of a 2 M-token pool against the first estimate's 174, the
   pool 91 % full in the steady state (tests/unit/test_admission_kv.py). Within one step whose
   cache starts empty it is less (0.68 at the 30B shape in benchmarks/bench_fleet.py, against
-  0.39): the long responses take most of a step to build up their KV. Lengths that grow or shrink
+  0.39): the long responses take most of a step to build up their KV. (Slots that follow the
+  step's age - twice as many while its cache is empty, fewer while its first wave's long
+  survivors peak - would keep it 0.90 full without overfilling, by benchmarks/sim_kv_ramp.py;
+  not built.) Lengths that grow or shrink
   over training move the caps: the statistics weigh the last LENGTH_WINDOW samples (older ones
   fade out proportionally).
 - Which lengths: only complete sets of samples - a producer's share of a step (`Fleet.generate`),
