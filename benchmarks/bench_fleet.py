@@ -20,7 +20,9 @@ Designs, the same requests:
 - `fleet, first estimate`: one FleetBudget for all clients, counted in a real c10d TCPStore, of
   KV pool / (0.7 x max_new_tokens) slots per server for the whole run (the rule before issue 41);
 - `fleet, following`: the same budget with each server's KV pool (rollout/admission.py): its first
-  step at the first estimate, the next at the slots the first step's lengths give.
+  step at the first estimate, the next at the slots the first step's lengths give: each server's
+  ramp (`admission.ramp`: slots by the requests ended since it was empty; reported as at the
+  start / at the lowest / past the ramp).
 Rounds: a step is every producer generating its share (prompts x samples / producers) at once.
 `eval beside on 1 of N`: the step on all servers but one while the evaluation (60 x 32 samples)
 runs on that one (eval.servers=1), started together. Two servers (one rollout node of TP-4 30B
@@ -247,6 +249,14 @@ def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new
     asyncio.run(main())
 
 
+def slots_of(budget, url: str) -> str:
+    """A budget's slots on a server: its ramp's (at the start / at the lowest / past it) once the
+    statistics give one, else the fixed number."""
+    budget.loads([url])
+    r = budget.ramp_of(url)
+    return f"{r.caps[0]}/{min(r.caps)}/{r.steady}" if r is not None and r.caps else str(budget.cap(url))
+
+
 class Fleet:
     def __init__(self, n: int, shape: dict, rate: float):
         args = [n, shape["pool"], shape["max_running"], shape["prompt"], rate, shape["max_new"]]
@@ -387,8 +397,8 @@ def four_servers(shape: dict, rate: float, store) -> dict:
         bs = budgets("follow", shape, urls, store, "follow", P)
         res["follow first step"], _ = training(fleet, urls, bs, shape, 1, shape["prompts"])
         res["follow"], _ = training(fleet, urls, bs, shape, 2, shape["prompts"])
-        res["follow"]["slots"] = bs[0].cap(urls[0])
-        res["fixed"]["slots"] = budgets("fixed", shape, urls, store, "x", 1)[0].cap(urls[0])
+        res["follow"]["slots"] = slots_of(bs[0], urls[0])
+        res["fixed"]["slots"] = slots_of(budgets("fixed", shape, urls, store, "x", 1)[0], urls[0])
         # An evaluation beside training on one whole server (eval.servers=1): training on the rest.
         (eb,) = budgets("follow", shape, urls[-1:], store, "beside-eval", 1)
         res["beside"], ev = training(fleet, urls[:-1], bs, shape, 3, shape["prompts"],
@@ -475,7 +485,7 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
           f"(max_running {shape['max_running']}), prompts of {shape['prompt']} tokens, {shape['prompts']} x "
           f"{shape['samples']} samples up to {shape['max_new']} tokens, eval {shape['eval'][0]} x {shape['eval'][1]}; "
           f"{rate:g} tokens/s per sequence")
-    print(f"{'round':<34} {'wall s':>7} {'slots':>7} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
+    print(f"{'round':<34} {'wall s':>7} {'slots':>13} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
           f"{'max run':>7} {'max queued':>10} {'retracted':>9} {'retries':>7} {'down':>4}")
     rows = [("per-producer (SGLang admits)", "per-producer"), ("fleet, first estimate (today)", "fixed"),
             ("fleet, following: first step", "follow first step"), ("fleet, following: next step", "follow"),
@@ -489,7 +499,7 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
         r = res[key]
         slots = str(r.get("slots", "-"))
         extra = f"   (eval {r['eval_wall']:.1f} s)" if "eval_wall" in r else ""
-        print(f"{label:<34} {r['wall']:>7.1f} {slots:>7} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
+        print(f"{label:<34} {r['wall']:>7.1f} {slots:>13} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
               f"{r['max_running']:>7} {r['max_waiting']:>10} {r['retracted']:>9} {r['retries']:>7} {r['down']:>4}{extra}")
     if "follow" in res:
         print(f"following vs first estimate, one step: {res['fixed']['wall'] / res['follow']['wall']:.2f}x faster")

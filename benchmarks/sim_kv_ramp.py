@@ -22,10 +22,12 @@ Rules:
   ticks later with probability S(a + x) / S(a), S the survival of the lengths), stays under
   `target` x pool at every future moment. It knows every running request's age: the best any rule
   that does not overfill on average can do with what the fleet knows;
-- `step-age schedule`: the same projection run once on the expected values (a fluid model), giving
-  slots as a function of the step's age alone, cap(t); the server then keeps cap(t) running. What
-  a count-based budget (today's FleetBudget plus a per-server start time and the decode speed) can
-  apply.
+- `schedule by ticks`: the same projection run once on the expected values (a fluid model), giving
+  slots as a function of the step's age alone, cap(t); the server then keeps cap(t) running;
+- `schedule by ends`: the same, the step's age read from the requests that have ended since the
+  server was empty (counted: no decode speed needed);
+- `admission.ramp`: the fleet's own (rollout/admission.py), which is the schedule by ends computed
+  from the histogram the statistics keep, and the steady state's slots past one longest response.
 
 Reported per rule (mean over seeds): the step's duration against today's rule, KV full (KV tokens
 over the pool while requests still waited, past the first median response time, as bench_fleet
@@ -40,7 +42,7 @@ import math
 
 import numpy as np
 
-from megatron_rl.rollout.admission import LengthStats, ServerKV, kv_capacity
+from megatron_rl.rollout.admission import LengthStats, ServerKV, kv_capacity, ramp
 
 MAX_NEW, PROMPT, POOL, MAX_RUNNING = 16384, 512, 2_000_000, 1024
 DT = 64  # tokens each running sequence decodes per tick
@@ -62,6 +64,7 @@ class Lengths:
         self.g = (PROMPT + ages) * self.S
         stats = LengthStats.of([PROMPT] * len(seen), seen.tolist())
         self.slots = kv_capacity(ServerKV(POOL, MAX_RUNNING), stats)
+        self.ramp = ramp(ServerKV(POOL, MAX_RUNNING), stats)  # the fleet's, as built
         self.kv_steady = stats.kv_per_request()[0]
 
     def projection(self, ages: np.ndarray) -> np.ndarray:
@@ -108,6 +111,8 @@ def step(lengths: np.ndarray, known: Lengths, rule: str, limit: float, plan=None
     while nxt < n or len(ages):
         if rule == "following":
             room = known.slots - len(ages)
+        elif rule == "built":
+            room = known.ramp.cap(nxt - len(ages)) - len(ages)
         elif rule == "age-aware":
             room = min(known.admissible(known.projection(ages), limit), MAX_RUNNING - len(ages))
         else:
@@ -150,6 +155,7 @@ def main() -> None:
     rows += [(f"age-aware, target {x:g}", "age-aware", x) for x in args.targets]
     rows += [(f"schedule by ticks, target {x:g}", "schedule", x) for x in args.targets]
     rows += [(f"schedule by ends, target {x:g}", "by-ends", x) for x in args.targets]
+    rows += [("admission.ramp (as built, 0.9)", "built", 0.9)]
     base = None
     print(f"{'rule':<34} {'step':>6} {'KV full':>8} {'KV use':>7} {'peak':>6} {'overfilled':>10}  slots over the step")
     for label, rule, target in rows:
@@ -159,7 +165,9 @@ def main() -> None:
         mean = {k: float(np.mean([r[k] for r in res])) for k in res[0]}
         base = base or mean["ticks"]
         slots = (f"{plan[0][0]} at the start, {plan[0].min()} at the lowest (tick {plan[0].argmin()}), then {plan[2]}"
-                 if plan is not None else f"{known.slots}" if rule == "following" else "")
+                 if plan is not None else f"{known.slots}" if rule == "following" else
+                 f"{known.ramp.caps[0]} at the start, {min(known.ramp.caps)} at the lowest, then {known.ramp.steady}"
+                 if rule == "built" else "")
         print(f"{label:<34} {mean['ticks'] / base:>5.3f}x {mean['kv_full']:>8.3f} {mean['kv_use']:>7.3f} "
               f"{mean['peak']:>6.3f} {mean['overfilled']:>10.1f}  {slots}")
 

@@ -51,14 +51,25 @@ queueing in it:
   (n E[c] + KV_Z sqrt(n Var c) <= pool), at most the server's max_running_requests. At 16k
   tokens with lognormal lengths (median 4k, sigma 0.84, cut at 16k: a 5.5k mean) and 512-token
   prompts E[c] is 4.9k: 376-386 slots of a 2 M-token pool against the first estimate's 174, the
-  pool 91 % full in the steady state (tests/unit/test_admission_kv.py). Within one step whose
-  cache starts empty it is less (0.68 at the 30B shape in benchmarks/bench_fleet.py, against
-  0.39): the long responses take most of a step to build up their KV. (Slots that follow the
-  step's age - twice as many while its cache is empty, fewer while its first wave's long
-  survivors peak - would keep it 0.90 full without overfilling, by benchmarks/sim_kv_ramp.py;
-  not built.) Lengths that grow or shrink
-  over training move the caps: the statistics weigh the last LENGTH_WINDOW samples (older ones
-  fade out proportionally).
+  pool 91 % full in the steady state (tests/unit/test_admission_kv.py). Lengths that grow or
+  shrink over training move the caps: the statistics weigh the last LENGTH_WINDOW samples (older
+  ones fade out proportionally).
+- A step whose cache starts empty (synchronous training: every server drains before the push) is
+  not that steady state: its first wave's requests are all young and hold little KV, then its
+  long survivors peak together. Fixed at the steady state's number, slots keep such a step's
+  pool about 0.77 full while requests wait (benchmarks/sim_kv_ramp.py; 0.68 in bench_fleet). So
+  each server's slots follow its step's ramp (`ramp`): a fluid model of the first wave admits,
+  tick by tick over one longest response, the most requests whose expected KV - every admitted
+  request of age x holding p + x tokens with the survival S(x) of the lengths seen, from a
+  histogram in `LengthStats` - stays under RAMP_TARGET (0.9) of the pool at every future tick.
+  That gives about twice the steady slots while the cache is empty and fewer while the first
+  wave's long survivors peak; the step's clock is the count of requests that ended on the server
+  since it was last empty (counted in the store beside the slots: no decode speed needed), and
+  past the ramp the steady state's `kv_capacity` holds. Simulated at the 30B shape, a step's pool
+  is 0.90 full instead of 0.77 and the step 6 % shorter, never over the pool where the lengths
+  are those seen (tests/unit/test_admission_kv.py, benchmarks/sim_kv_ramp.py). Responses longer
+  than those seen pass the pool under either rule, and SGLang retracts: both rely on statistics
+  that keep up with the lengths.
 - Which lengths: only complete sets of samples - a producer's share of a step (`Fleet.generate`),
   an evaluation that finished - never a step's first finishers alone, which are its short ones
   (counting those while the long ones still run would overfill the pool).
@@ -147,10 +158,20 @@ class ServerKV:
                         max(1, int(self.max_running * share)) if self.max_running else 0)
 
 
+HIST_PER_OCTAVE = 4  # response-length histogram: bins of a quarter octave (19 % wide)
+HIST_BINS = 80  # up to 2^20 tokens
+
+
+def _bin(length: float) -> int:
+    return min(HIST_BINS - 1, int(HIST_PER_OCTAVE * math.log2(max(1.0, length))))
+
+
 @dataclasses.dataclass(frozen=True)
 class LengthStats:
     """Weighted sums over finished samples (prompt p and response l tokens each): n and the sums of
-    l, l^2, l^3, p l, p^2 l, p l^2 - what the KV of a running request takes (module docstring)."""
+    l, l^2, l^3, p l, p^2 l, p l^2 - what the KV of a running request takes (module docstring) -
+    and the responses' histogram (`HIST_BINS` bins of a quarter octave, each its count and its
+    lengths' sum: the survival of the lengths, which the step's ramp needs, `ramp`)."""
 
     n: float = 0.0
     l1: float = 0.0
@@ -159,22 +180,71 @@ class LengthStats:
     pl: float = 0.0
     p2l: float = 0.0
     pl2: float = 0.0
+    hist: tuple[float, ...] = ()
+    hist_sum: tuple[float, ...] = ()
+    hist_sq: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, prompts: Sequence[int], responses: Sequence[int]) -> "LengthStats":
         if len(prompts) != len(responses):
             raise ValueError(f"{len(prompts)} prompt lengths for {len(responses)} responses")
         out = [0.0] * 7
+        hist, hist_sum, hist_sq = [0.0] * HIST_BINS, [0.0] * HIST_BINS, [0.0] * HIST_BINS
         for p, l in zip(prompts, responses):
             p, l = float(p), float(l)
             for i, v in enumerate((1.0, l, l * l, l ** 3, p * l, p * p * l, p * l * l)):
                 out[i] += v
-        return cls(*out)
+            b = _bin(l)
+            hist[b] += 1.0
+            hist_sum[b] += l
+            hist_sq[b] += l * l
+        return cls(*out, hist=tuple(hist), hist_sum=tuple(hist_sum), hist_sq=tuple(hist_sq))
+
+    def _sums(self) -> tuple[float, ...]:
+        none = (0.0,) * HIST_BINS
+        return (self.n, self.l1, self.l2, self.l3, self.pl, self.p2l, self.pl2,
+                *(self.hist or none), *(self.hist_sum or none), *(self.hist_sq or none))
 
     def plus(self, other: "LengthStats", window: float = LENGTH_WINDOW) -> "LengthStats":
         """`other` added, the old samples scaled down so that at most `window` are weighed."""
         keep = max(0.0, min(1.0, (window - other.n) / self.n)) if self.n else 0.0
-        return LengthStats(*(a * keep + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        sums = [a * keep + b for a, b in zip(self._sums(), other._sums())]
+        B = HIST_BINS
+        return LengthStats(*sums[:7], hist=tuple(sums[7:7 + B]), hist_sum=tuple(sums[7 + B:7 + 2 * B]),
+                           hist_sq=tuple(sums[7 + 2 * B:]))
+
+    def _bins(self):
+        """(count, lower end, width) of the histogram's bins that have samples: each bin's
+        lengths spread evenly over the interval of their mean and variance (a bin of one length,
+        such as the cut at max_new_tokens, is that length alone)."""
+        import numpy as np
+
+        none = (0.0,) * HIST_BINS
+        counts = np.asarray(self.hist or none, dtype=np.float64)
+        has = counts > 0
+        counts = counts[has]
+        mean = np.asarray(self.hist_sum or none, dtype=np.float64)[has] / counts
+        var = np.maximum(0.0, np.asarray(self.hist_sq or none, dtype=np.float64)[has] / counts - mean ** 2)
+        width = np.sqrt(12 * var)
+        width = np.where(width < 1e-6 * np.maximum(mean, 1.0), 0.0, width)  # one length (to rounding)
+        return counts, mean - width / 2, width
+
+    def survival(self, ages):
+        """P(l > age) for each of `ages` (a numpy array), from the histogram (`_bins`)."""
+        import numpy as np
+
+        counts, lower, width = self._bins()
+        if counts.sum() <= 0:
+            raise ValueError("no response lengths in the histogram")
+        x = np.asarray(ages, dtype=np.float64)[:, None]
+        inside = np.clip((lower + width - x) / np.where(width > 0, width, 1.0), 0.0, 1.0)
+        above = np.where(width > 0, inside, (lower > x).astype(np.float64))
+        return (counts * above).sum(1) / counts.sum()
+
+    def longest(self) -> float:
+        """The longest response the histogram holds (0 with none)."""
+        counts, lower, width = self._bins()
+        return float(lower[-1] + width[-1]) if len(counts) else 0.0
 
     def kv_per_request(self) -> tuple[float, float]:
         """(mean, standard deviation) of the KV tokens a running request holds at a random moment
@@ -188,11 +258,16 @@ class LengthStats:
     def to_json(self) -> str:
         """The store's value: the sums and a random tag, so that two producers that add the same
         sums to the same value never write the same text (compare_set tells them apart)."""
-        return json.dumps([random.getrandbits(63), *dataclasses.astuple(self)])
+        return json.dumps([random.getrandbits(63), *self._sums()[:7], list(self.hist), list(self.hist_sum),
+                           list(self.hist_sq)])
 
     @classmethod
     def from_json(cls, text) -> "LengthStats":
-        return cls(*json.loads(text)[1:]) if text else cls()
+        if not text:
+            return cls()
+        values = json.loads(text)[1:]
+        hist = [tuple(v) for v in values[7:10]] + [()] * (10 - len(values[:10]))
+        return cls(*values[:7], hist=hist[0], hist_sum=hist[1], hist_sq=hist[2])
 
 
 def kv_capacity(kv: ServerKV, stats: LengthStats, z: float = KV_Z) -> int:
@@ -206,13 +281,72 @@ def kv_capacity(kv: ServerKV, stats: LengthStats, z: float = KV_Z) -> int:
     return min(n, kv.max_running) if kv.max_running else n
 
 
+RAMP_TARGET = 0.9  # the share of the pool a step's ramp keeps the expected KV under (sim_kv_ramp.py)
+RAMP_TICKS = 256  # the ramp's grid: a longest response in this many ticks
+
+
+@dataclasses.dataclass(frozen=True)
+class Ramp:
+    """A server's slots over a step whose cache starts empty: at the ramp's first tick t whose
+    expected count of ended requests `ended[t]` reaches the requests that have ended since the
+    server was last empty (the step's clock: counted, no decode speed needed), `caps[t]`;
+    `steady` (`kv_capacity`) once its first wave is expected gone (module docstring)."""
+
+    caps: tuple[int, ...]
+    ended: tuple[float, ...]
+    steady: int
+
+    def cap(self, ended: int) -> int:
+        import bisect
+
+        t = bisect.bisect_left(self.ended, ended)
+        return self.caps[t] if t < len(self.caps) else self.steady
+
+
+def ramp(kv: ServerKV, stats: LengthStats, target: float = RAMP_TARGET, z: float = KV_Z) -> Ramp:
+    """The slots of a server whose cache starts empty, by a fluid model of its first wave
+    (benchmarks/sim_kv_ramp.py, "schedule by ends"): on a grid of RAMP_TICKS ticks over the longest
+    response seen, a request of age x holds g(x) = p + x tokens with probability S(x) (the
+    histogram's survival; p the prompt, weighed by the response as in `kv_per_request`); at each
+    tick admit the most requests whose expected KV, added to that of all admitted before, stays
+    under target x pool at every future tick, at most max_running_requests running. The ramp lasts
+    one longest response; `steady` after it."""
+    import numpy as np
+
+    steady = kv_capacity(kv, stats, z)
+    longest = stats.longest()
+    if not stats.hist or longest < 1 or not kv.pool:
+        return Ramp((), (), steady)
+    dt = max(1.0, longest / RAMP_TICKS)
+    K = math.ceil(longest / dt)  # ages 0 .. (K - 1) dt, short of the longest
+    S = stats.survival(np.arange(K) * dt)
+    prompt = stats.pl / stats.l1 if stats.l1 else 0.0
+    g = (prompt + np.arange(K) * dt) * S
+    live = g > 0
+    limit = target * kv.pool
+    max_running = kv.max_running or float("inf")
+    admitted = np.zeros(K)
+    future = np.zeros(2 * K)
+    caps, ended = [], []
+    for t in range(K):
+        running = float(admitted[:t] @ S[t - np.arange(t)]) if t else 0.0
+        room = float(((limit - future[t:t + K])[live] / g[live]).min()) if live.any() else 0.0
+        admitted[t] = max(0.0, min(math.floor(room), max_running - running))
+        future[t:t + K] += admitted[t] * g
+        ended.append(float(admitted[:t].sum()) - running)
+        caps.append(max(1, int(running + admitted[t])))
+    return Ramp(tuple(caps), tuple(ended), steady)
+
+
 class FleetBudget:
     """Slots of each server, counted in `store` under `prefix` (shared by every FleetBudget made
     with the same store and prefix, across threads and processes). `capacity`: slots per server,
     one number for all or a URL -> slots mapping (a URL it lacks gets the smallest): fixed, or,
     with `kv` (URL -> ServerKV), the first estimate until `observe` has seen MIN_SAMPLES finished
-    samples, then `kv_capacity` of each server from the shared length statistics. Either at the
-    budget's share of each server (`set_share`, shared like the counts; 1 until set)."""
+    samples, then each server's `ramp` from the shared length statistics: its slots by the
+    requests ended since it was last empty (counted here too), `kv_capacity` after a longest
+    response. Either at the budget's share of each server (`set_share`, shared like the counts; 1
+    until set)."""
 
     POLL_S = 0.05  # a waiting client looks for slots given back by other producers this often
 
@@ -229,7 +363,8 @@ class FleetBudget:
         self._order = random.Random(seed).random()  # this budget's place in the tie rotation
         self._turn = itertools.count()
         self._seen = (b"", b"1")  # the statistics and the share the caps below were computed from
-        self._caps: dict[str, int] = {}
+        self._ramps: dict[str, Ramp] = {}
+        self._clock: dict[str, int] = {}  # requests ended on each server since it was last empty
         self.share = 1.0
 
     @classmethod
@@ -238,14 +373,25 @@ class FleetBudget:
         return cls(LocalCounts(), "fleet", capacity, kv=kv)
 
     def cap(self, url: str) -> int:
-        if url in self._caps:
-            return self._caps[url]
+        """The server's slots now (by its clock as the last `loads` read it)."""
+        if url in self._ramps:
+            return self._ramps[url].cap(self._clock.get(url, 0))
         c = self.capacity
         c = c if isinstance(c, int) else c.get(url, min(c.values()))
         return c if self.share >= 1 else max(1, int(c * self.share + 1e-9))
 
+    def ramp_of(self, url: str) -> Optional[Ramp]:
+        """The server's ramp, once the statistics give one (None before, or for fixed slots)."""
+        return self._ramps.get(url)
+
     def _key(self, url: str) -> str:
         return f"{self.prefix}/{url}"
+
+    def _ended_key(self, url: str) -> str:  # requests that ended on the server (a count)
+        return f"{self.prefix}/{url}//ended"
+
+    def _start_key(self, url: str) -> str:  # its ended count when it was last empty
+        return f"{self.prefix}/{url}//start"
 
     @property
     def _stats_key(self) -> str:
@@ -265,8 +411,8 @@ class FleetBudget:
         if self.kv is None:
             return
         stats = LengthStats.from_json(text.decode() if isinstance(text, bytes) else text)
-        self._caps = ({u: kv_capacity(k.scaled(self.share), stats) for u, k in self.kv.items() if k.pool}
-                      if stats.n >= MIN_SAMPLES and stats.l1 > 0 else {})
+        self._ramps = ({u: ramp(k.scaled(self.share), stats) for u, k in self.kv.items() if k.pool}
+                       if stats.n >= MIN_SAMPLES and stats.l1 > 0 else {})
 
     def set_share(self, share: float) -> None:
         """From now on every client of this budget (any producer's) takes at most `share` of each
@@ -318,14 +464,21 @@ class FleetBudget:
         fresh = [u for u in urls if u not in self._known]
         for u in fresh:  # multi_get needs every key to exist
             self.store.add(self._key(u), 0)
+            if self.kv is not None:
+                self.store.add(self._ended_key(u), 0)
+                self.store.add(self._start_key(u), 0)
         self._known.update(fresh)
         if not urls:
             return []
-        keys = [self._key(u) for u in urls] + [self._share_key] + ([self._stats_key] if self.kv is not None else [])
+        clocks = [k for u in urls for k in (self._ended_key(u), self._start_key(u))] if self.kv is not None else []
+        keys = [self._key(u) for u in urls] + clocks + [self._share_key] + ([self._stats_key] if self.kv is not None else [])
         values = self.store.multi_get(keys)
         stats = values.pop() if self.kv is not None else b""
         self._follow(stats, values.pop())
-        return [int(v) for v in values]
+        n = len(urls)
+        for i, u in enumerate(urls[: len(clocks) // 2]):
+            self._clock[u] = int(values[n + 2 * i]) - int(values[n + 2 * i + 1])
+        return [int(v) for v in values[:n]]
 
     def take(self, urls: Sequence[str]) -> str | None:
         """A slot of the least loaded of `urls` with one free (counted from now on), or None when
@@ -341,13 +494,26 @@ class FleetBudget:
         for i in ranked:
             if loads[i] >= self.cap(urls[i]):
                 break  # sorted by load: the rest are full too
-            if self.store.add(self._key(urls[i]), 1) <= self.cap(urls[i]):
+            taken = self.store.add(self._key(urls[i]), 1)
+            if taken <= self.cap(urls[i]):
+                if taken == 1 and self.kv is not None:
+                    self._restart_clock(urls[i])
                 return urls[i]
             self.store.add(self._key(urls[i]), -1)  # another producer took the last one meanwhile
         return None
 
     def give(self, url: str) -> None:
+        if self.kv is not None:
+            self.store.add(self._ended_key(url), 1)
         self.store.add(self._key(url), -1)
+
+    def _restart_clock(self, url: str) -> None:
+        """The server was empty (this take is its only request): its ramp starts again, the clock
+        at 0 from the ended count now."""
+        ended = self.store.add(self._ended_key(url), 0)
+        start = self.store.add(self._start_key(url), 0)
+        self.store.add(self._start_key(url), ended - start)  # only this take moves it now
+        self._clock[url] = 0
 
     def clone(self) -> "FleetBudget":
         """The same counts over a connection of its own (a TCPStore client is one socket: one per

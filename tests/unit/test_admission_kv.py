@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_rl.rollout.admission import (
-    MIN_SAMPLES, FleetBudget, LengthStats, LocalCounts, ServerKV, derived_capacity, kv_capacity,
+    MIN_SAMPLES, FleetBudget, LengthStats, LocalCounts, ServerKV, derived_capacity, kv_capacity, ramp,
 )
 
 
@@ -105,18 +105,23 @@ def test_budget_follows_the_lengths_every_producer_reports_through_a_tcp_store()
     assert one.stats().n == pytest.approx(MIN_SAMPLES - 1 + 40)  # no update lost to a race
     stats = two.stats()
     assert one.take(["a", "b"]) is not None
-    assert one.cap("a") == two.cap("a") == kv_capacity(kv["a"], stats) == 133
-    assert one.cap("b") == kv_capacity(kv["b"], stats) and 2 < one.cap("b") < one.cap("a")
-    # Lengths that grow shrink the caps: a server above its new cap takes nothing until enough
-    # come back.
+    # Nothing has ended on either server since its first request: each at its ramp's first slots,
+    # a first wave of 1,000-token responses whose KV at their last tick of the ramp's grid (256
+    # ticks to the longest) fills 0.9 of the pool.
+    assert one.cap("a") == two.cap("a") == ramp(kv["a"], stats).cap(0) == int(0.9 * 100_000 / (200 + 255 * 1000 / 256))
+    assert one.cap("b") == ramp(kv["b"], stats).cap(0) and 2 < one.cap("b") < one.cap("a")
+    first = one.cap("a")
     taken = [u for u in (one.take(["a"]) for _ in range(200)) if u]
-    assert len(taken) == 133 - 5  # 5 taken before on a
+    assert len(taken) == first - 5  # 5 taken before on a
+    # Lengths that grow shrink the caps: a server above its new cap takes nothing until enough
+    # come back. Those that end move its clock past the ramp: the steady state's slots.
     two.observe([200] * 8000, [16_000] * 8000)
-    cap = kv_capacity(kv["a"], two.stats())
-    assert cap < 20 and one.take(["a"]) is None and one.cap("a") == cap
-    for _ in range(133 - cap + 1):  # one under the new cap
+    cap = ramp(kv["a"], two.stats()).cap(0)
+    assert cap < 10 and one.take(["a"]) is None and one.cap("a") == cap
+    steady = kv_capacity(kv["a"], two.stats())
+    for _ in range(first - steady + 1):  # one under the steady cap
         one.give("a")
-    assert one.take(["a"]) == "a"
+    assert one.take(["a"]) == "a" and one.cap("a") == steady and one.take(["a"]) is None
 
 
 def test_fixed_budget_ignores_lengths():
@@ -125,7 +130,7 @@ def test_fixed_budget_ignores_lengths():
     assert [b.take(["a"]) for _ in range(4)] == ["a", "a", "a", None]
     local = FleetBudget.local({"a": 1}, kv={"a": ServerKV(10_000, 0)})
     local.clone().observe([0] * 100, [100] * 100)  # a clone shares the counts and the statistics
-    assert local.take(["a"]) == "a" and local.cap("a") == kv_capacity(ServerKV(10_000, 0), local.stats())
+    assert local.take(["a"]) == "a" and local.cap("a") == ramp(ServerKV(10_000, 0), local.stats()).cap(0)
 
 
 def test_a_fleets_finished_samples_reach_the_statistics_its_slots_follow():
@@ -150,7 +155,72 @@ def test_a_fleets_finished_samples_reach_the_statistics_its_slots_follow():
     stats = budget.stats()
     assert stats.n == 80 and stats.l1 == 80 * 7  # every sample, each 7 tokens
     assert stats.pl == 40 * 7 * (len(PROMPTS[0]) + len(PROMPTS[1]))  # prompt x response, summed
-    assert budget.take([url]) == url and budget.cap(url) == kv_capacity(kv, stats) > 2
+    # Its first request starts the server's ramp (clock 0): the slots of a first wave of 7-token
+    # responses, 0.9 of the pool over their KV at the end (below the steady state's, where ages
+    # spread), the steady state's once they end (one has: the first wave is ending).
+    assert budget.take([url]) == url and budget.cap(url) == ramp(kv, stats).cap(0) > 2
+    assert ramp(kv, stats).cap(0) == int(0.9 * kv.pool / (stats.pl / stats.l1 + 6))  # its KV at its last tick
+    assert budget.take([url]) == url
+    budget.give(url)
+    budget.loads([url])
+    assert budget.cap(url) == kv_capacity(kv, stats)
     fixed = FleetBudget.local(2)
     observe_lengths(fixed, groups)
     assert fixed.stats() == LengthStats() and fixed.cap(url) == 2
+
+
+def test_a_step_from_empty_fills_the_pool_and_ends_sooner():
+    """One server through one synchronous step at the 30B shape (benchmarks/sim_kv_ramp.py): pool
+    2 M tokens, max_running_requests 1,024, 1,024 requests, 512-token prompts, lognormal responses
+    (median 4,096, sigma 0.84, cut at 16,384), each running sequence decoding 64 tokens a tick. The
+    slots come from a FleetBudget that saw a previous step's lengths: a take when a slot is free, a
+    give when a response ends. Its ramp (slots by the requests ended since the server was empty)
+    keeps the pool >= 0.85 full on average while requests wait (past the first median response)
+    and ends every step >= 5 % sooner than the steady state's fixed slots (kv_capacity: the rule
+    before the ramp, < 0.85). It passes the pool only where a step's responses run longer than
+    those seen and the fixed slots pass it too, and not further."""
+    rng = np.random.default_rng(7)
+    draw = lambda k: np.clip(np.rint(np.exp(np.log(4096) + 0.84 * rng.standard_normal(k))), 1, 16384)  # noqa: E731
+    seen = draw(8192)
+    kv = ServerKV(pool=2_000_000, max_running=1024)
+    budget = FleetBudget.local(174, kv={"a": kv})
+    budget.observe([512] * len(seen), seen.astype(int).tolist())
+    steady = kv_capacity(kv, budget.stats())
+
+    def step(lengths, take, give):
+        ages, ends, nxt, kv_used, waiting = np.zeros(0), np.zeros(0), 0, [], []
+        while nxt < len(lengths) or len(ages):
+            while nxt < len(lengths) and take():
+                ages, ends, nxt = np.append(ages, 0), np.append(ends, lengths[nxt]), nxt + 1
+            kv_used.append((512 + ages).sum() / kv.pool)
+            waiting.append(nxt < len(lengths))
+            ages = ages + 64
+            for _ in range(int((ages >= ends).sum())):
+                give()
+            ages, ends = ages[ages < ends], ends[ages < ends]
+        kv_used, waiting = np.array(kv_used), np.array(waiting)
+        waiting[: 4096 // 64] = False  # past the first median response time
+        return len(kv_used), float(kv_used[waiting].mean()), float(kv_used.max())
+
+    ramped, fixed = [], []
+    for _ in range(3):
+        lengths = draw(1024)
+        ramped.append(step(lengths, lambda: budget.take(["a"]) == "a", lambda: budget.give("a")))
+        assert budget.loads(["a"]) == [0]
+        running = [0]
+
+        def take():
+            if running[0] >= steady:
+                return False
+            running[0] += 1
+            return True
+
+        def give():
+            running[0] -= 1
+
+        fixed.append(step(lengths, take, give))
+    for (ticks, full, peak), (fixed_ticks, fixed_full, fixed_peak) in zip(ramped, fixed):
+        # Every step shorter; over the pool only where the fixed slots are too (a step whose
+        # responses run longer than those seen: then both rely on SGLang's retraction), less so.
+        assert ticks <= 0.95 * fixed_ticks and peak <= max(1.0, fixed_peak), (ramped, fixed)
+    assert np.mean([r[1] for r in ramped]) >= 0.85 > np.mean([f[1] for f in fixed]), (ramped, fixed)

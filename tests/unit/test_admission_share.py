@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_rl.rollout.admission import (
-    MIN_SAMPLES, FleetBudget, LengthStats, LocalCounts, ServerKV, kv_capacity,
+    MIN_SAMPLES, FleetBudget, LengthStats, LocalCounts, ServerKV, kv_capacity, ramp,
 )
 from megatron_rl.rollout.evaluation import DEFAULT_SHARE, beside_share
 
@@ -41,14 +41,20 @@ def test_training_and_evaluation_shares_together_fit_the_pool():
     full = kv_capacity(kv["a"], whole)
     train.set_share(0.8)
     evaluation.set_share(0.2)
-    t, e = train.cap("a"), evaluation.cap("a")
-    assert t == kv_capacity(ServerKV(1_600_000, 819), whole) and e == kv_capacity(ServerKV(400_000, 204), whole)
+    # The steady state's slots of each share (past a step's ramp).
+    t, e = kv_capacity(ServerKV(1_600_000, 819), whole), kv_capacity(ServerKV(400_000, 204), whole)
     mean, std = whole.kv_per_request()
     fits = lambda n, pool: n * mean + 2 * math.sqrt(n) * std <= pool  # noqa: E731
     assert fits(t, 1_600_000) and fits(e, 400_000) and t + e <= full <= 1024
     assert e >= 0.15 * full and t >= 0.75 * full  # a share's cap is about its share of the whole's
+    # A step's ramp (nothing ended yet): each budget's caps are its share's, together within the
+    # whole server's.
+    tr, er = train.cap("a"), evaluation.cap("a")
+    assert tr == ramp(ServerKV(1_600_000, 819), whole).cap(0) and er == ramp(ServerKV(400_000, 204), whole).cap(0)
+    assert tr + er <= ramp(kv["a"], whole).cap(0) <= 1024 and tr > t and er > e
+    assert [ramp(ServerKV(1_600_000, 819), whole).cap(c) for c in (10**9,)] == [t]  # past the ramp: steady
     train.set_share(1.0)  # the evaluation ended: training's whole room again
-    assert train.cap("a") == full
+    assert train.cap("a") == ramp(kv["a"], whole).cap(0)
 
 
 def test_fixed_slots_are_shared_by_their_floor_at_least_one():
@@ -70,15 +76,17 @@ def test_a_share_reaches_every_producer_at_its_next_take_and_cancels_nothing():
     two = FleetBudget(store.clone(), "fleet/t", 4, kv=kv)  # another producer
     two.observe([200] * MIN_SAMPLES, [1000] * MIN_SAMPLES)
     stats = LengthStats.of([200] * MIN_SAMPLES, [1000] * MIN_SAMPLES)
-    assert [one.take(["a"]) for _ in range(133)].count("a") == 133 == kv_capacity(kv["a"], stats)
+    first = ramp(kv["a"], stats).cap(0)  # the server's ramp: nothing has ended on it yet
+    assert [one.take(["a"]) for _ in range(133)].count("a") == first == 75  # 0.9 x 100,000 / 1,196
     one.clone().set_share(0.5)  # rank 0, as an evaluation starts (a connection of its own)
-    cap = kv_capacity(ServerKV(50_000, 0), stats)
-    assert two.take(["a"]) is None and two.cap("a") == cap == 64  # the 133 taken stay; none new
-    for _ in range(133 - cap + 1):
+    cap = ramp(ServerKV(50_000, 0), stats).cap(0)
+    assert two.take(["a"]) is None and two.cap("a") == cap == 37  # the 75 taken stay; none new
+    for _ in range(first - cap + 1):  # requests end: past the ramp, the share's steady state
         one.give("a")
-    assert two.take(["a"]) == "a" and two.take(["a"]) is None
+    steady = kv_capacity(ServerKV(50_000, 0), stats)
+    assert [two.take(["a"]) for _ in range(100)].count("a") == steady - (cap - 1) and two.cap("a") == steady == 64
     one.set_share(1.0)
-    assert two.take(["a"]) == "a" and two.cap("a") == 133
+    assert two.take(["a"]) == "a" and two.cap("a") == kv_capacity(kv["a"], stats) == 133
 
 
 def test_whole_servers_on_a_big_fleet_a_share_on_a_small_one():
