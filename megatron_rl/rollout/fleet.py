@@ -74,7 +74,7 @@ def slots(cfg: JobConfig, urls: list[str]
     evaluation = {u: derived_capacity(info, eval_new) for u, info in infos.items()}
     kv = {u: ServerKV.from_info(info) for u, info in infos.items()}
     print("[megatron-rl] rollout slots per server, training / evaluation, until lengths are seen (then "
-          "they follow them: KV pool / the KV of a running request; rollout.max_inflight_per_server "
+          "they follow them: each server's step ramp, then KV pool / the KV of a running request; rollout.max_inflight_per_server "
           "fixes them): " + ", ".join(f"{u} {train[u]} / {evaluation[u]} (KV pool {kv[u].pool})" for u in infos),
           flush=True)
     return train, evaluation, kv
