@@ -411,8 +411,13 @@ class FleetBudget:
         if self.kv is None:
             return
         stats = LengthStats.from_json(text.decode() if isinstance(text, bytes) else text)
-        self._ramps = ({u: ramp(k.scaled(self.share), stats) for u, k in self.kv.items() if k.pool}
-                       if stats.n >= MIN_SAMPLES and stats.l1 > 0 else {})
+        self._ramps = {}
+        if stats.n >= MIN_SAMPLES and stats.l1 > 0:
+            each: dict[ServerKV, Ramp] = {}  # servers alike share one (a few ms each)
+            for u, k in self.kv.items():
+                if k.pool:
+                    room = k.scaled(self.share)
+                    self._ramps[u] = each[room] if room in each else each.setdefault(room, ramp(room, stats))
 
     def set_share(self, share: float) -> None:
         """From now on every client of this budget (any producer's) takes at most `share` of each
