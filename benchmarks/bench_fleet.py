@@ -22,7 +22,9 @@ Designs, the same requests:
 - `fleet, following`: the same budget with each server's KV pool (rollout/admission.py): its first
   step at the first estimate, the next at the slots the first step's lengths give: each server's
   ramp (`admission.ramp`: slots by the requests ended since it was empty; reported as at the
-  start / at the lowest / past the ramp).
+  start / at the lowest / past the ramp); `steady slots` is the same step at the steady state's
+  `kv_capacity` from its first request (`FleetBudget(ramps=False)`: the rule before the ramp),
+  from the same lengths.
 Rounds: a step is every producer generating its share (prompts x samples / producers) at once.
 `eval beside on 1 of N`: the step on all servers but one while the evaluation (60 x 32 samples)
 runs on that one (eval.servers=1), started together. Two servers (one rollout node of TP-4 30B
@@ -336,8 +338,8 @@ def budgets(design: str, shape: dict, urls: list[str], store, name: str, count: 
         return [FleetBudget.local(PER_PRODUCER_SLOTS) for _ in range(count)]
     info = {"max_total_num_tokens": int(shape["pool"] * share), "max_running_requests": shape["max_running"]}
     first = derived_capacity(info, shape["max_new"])
-    kv = {u: ServerKV.from_info(info) for u in urls} if design == "follow" else None
-    shared = FleetBudget(store, f"fleet/{name}", first, kv=kv)
+    kv = {u: ServerKV.from_info(info) for u in urls} if design.startswith("follow") else None
+    shared = FleetBudget(store, f"fleet/{name}", first, kv=kv, ramps=design != "follow-steady")
     return [shared.clone() for _ in range(count)]
 
 
@@ -398,6 +400,12 @@ def four_servers(shape: dict, rate: float, store) -> dict:
         res["follow first step"], _ = training(fleet, urls, bs, shape, 1, shape["prompts"])
         res["follow"], _ = training(fleet, urls, bs, shape, 2, shape["prompts"])
         res["follow"]["slots"] = slots_of(bs[0], urls[0])
+        # The same step at the steady state's slots throughout (no ramp: the rule before it), from
+        # the same step-1 lengths.
+        steady = budgets("follow-steady", shape, urls, store, "follow-steady", P)
+        steady[0].observe(*_lengths(shape, 1, shape["prompts"]))
+        res["follow steady"], _ = training(fleet, urls, steady, shape, 2, shape["prompts"])
+        res["follow steady"]["slots"] = slots_of(steady[0], urls[0])
         res["fixed"]["slots"] = slots_of(budgets("fixed", shape, urls, store, "x", 1)[0], urls[0])
         # An evaluation beside training on one whole server (eval.servers=1): training on the rest.
         (eb,) = budgets("follow", shape, urls[-1:], store, "beside-eval", 1)
@@ -488,7 +496,8 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
     print(f"{'round':<34} {'wall s':>7} {'slots':>13} {'KV use':>6} {'KV full':>7} {'tokens max/min':>14} "
           f"{'max run':>7} {'max queued':>10} {'retracted':>9} {'retries':>7} {'down':>4}")
     rows = [("per-producer (SGLang admits)", "per-producer"), ("fleet, first estimate (today)", "fixed"),
-            ("fleet, following: first step", "follow first step"), ("fleet, following: next step", "follow"),
+            ("fleet, following: first step", "follow first step"),
+            ("following, next step: steady slots", "follow steady"), ("following, next step: ramp", "follow"),
             (f"following, eval beside on 1 of {shape['servers']}", "beside"),
             ("2 servers: training alone", "two alone"), ("2 servers: eval holds 1 server", "two hold"),
             (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share"),
@@ -502,7 +511,8 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
         print(f"{label:<34} {r['wall']:>7.1f} {slots:>13} {r['kv_use']:>6.2f} {r['kv_fill']:>7.2f} {r['load']:>14.3f} "
               f"{r['max_running']:>7} {r['max_waiting']:>10} {r['retracted']:>9} {r['retries']:>7} {r['down']:>4}{extra}")
     if "follow" in res:
-        print(f"following vs first estimate, one step: {res['fixed']['wall'] / res['follow']['wall']:.2f}x faster")
+        print(f"following vs first estimate, one step: {res['fixed']['wall'] / res['follow']['wall']:.2f}x faster; "
+              f"the ramp vs steady slots: {res['follow steady']['wall'] / res['follow']['wall']:.2f}x faster")
     a = res["two alone"]["wall"]
     print(f"2 servers, the generation of a step beside an evaluation: {res['two hold']['wall'] / a:.2f}x (eval holds "
           f"1 server), {res['two share']['wall'] / a:.2f}x (eval {EVAL_SHARE:.0%} of every KV pool), "

@@ -351,7 +351,7 @@ class FleetBudget:
     POLL_S = 0.05  # a waiting client looks for slots given back by other producers this often
 
     def __init__(self, store, prefix: str, capacity: int | Mapping[str, int], seed: int = 0,
-                 kv: Optional[Mapping[str, ServerKV]] = None):
+                 kv: Optional[Mapping[str, ServerKV]] = None, ramps: bool = True):
         if isinstance(capacity, Mapping):
             if not capacity or min(capacity.values()) < 1:
                 raise ValueError(f"capacity {dict(capacity)}: at least 1 slot per server")
@@ -359,6 +359,7 @@ class FleetBudget:
             raise ValueError(f"capacity = {capacity}: at least 1 slot per server")
         self.store, self.prefix, self.capacity = store, prefix, capacity
         self.kv = dict(kv) if kv else None
+        self.ramps = ramps  # False: the steady state's kv_capacity from the first request on (the rule before)
         self._known: set[str] = set()
         self._order = random.Random(seed).random()  # this budget's place in the tie rotation
         self._turn = itertools.count()
@@ -417,7 +418,9 @@ class FleetBudget:
             for u, k in self.kv.items():
                 if k.pool:
                     room = k.scaled(self.share)
-                    self._ramps[u] = each[room] if room in each else each.setdefault(room, ramp(room, stats))
+                    if room not in each:
+                        each[room] = ramp(room, stats) if self.ramps else Ramp((), (), kv_capacity(room, stats))
+                    self._ramps[u] = each[room]
 
     def set_share(self, share: float) -> None:
         """From now on every client of this budget (any producer's) takes at most `share` of each
@@ -524,7 +527,7 @@ class FleetBudget:
         """The same counts over a connection of its own (a TCPStore client is one socket: one per
         thread)."""
         store = self.store if isinstance(self.store, LocalCounts) else self.store.clone()
-        return FleetBudget(store, self.prefix, self.capacity, seed=random.getrandbits(32), kv=self.kv)
+        return FleetBudget(store, self.prefix, self.capacity, seed=random.getrandbits(32), kv=self.kv, ramps=self.ramps)
 
 
 class LocalCounts:
