@@ -320,14 +320,15 @@ def _varlen_rl_step(learner, cfg, spec: dict) -> dict:
         for layout, pack in (("padded", False), ("packed", True)):
             learner.pack = pack
             times = []
-            for _ in range(WARMUP[dev] + TIMED[dev]):
+            reps = WARMUP[dev] + TIMED[dev] if dev == "cuda" else 1  # the CPU dry run: the path, once
+            for _ in range(reps):
                 loss_fn = PolicyLoss(algo, batch, 1.0, S, dp_group=learner.ctx.dp_group, device=learner.ctx.device)
                 gpu_common.synchronize()
                 t0 = time.perf_counter()
                 learner.train_step(batch, loss_fn)
                 gpu_common.synchronize()
                 times.append(time.perf_counter() - t0)
-            step = statistics.median(times[WARMUP[dev]:])
+            step = statistics.median(times[WARMUP[dev]:] if dev == "cuda" else times)
             lens = batch.seq_lens
             mult = lc.pad_to_multiple_of  # one rank: no sequence-parallel split
             computed = sum(padded_len(int(lens[i].sum()), mult) if pack else i.numel() * padded_len(int(lens[i].max()), mult)
