@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import ctypes
 import importlib
 import inspect
 import itertools
@@ -78,6 +77,8 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+
+from megatron_rl.distributed.parent import die_with_parent
 from typing import Any, Callable, Hashable, Iterable, Optional
 
 from megatron_rl.plugins import absolute, is_import_path
@@ -150,16 +151,6 @@ class Collected:
 
 # ------------------------------------------------------------------------------------------------
 # Worker process
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this worker when the thread that started it (the pool's dispatcher) ends, e.g. the
-    trainer is killed with -9 while this worker is stuck in a pathological call."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 _IGNORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -256,7 +247,7 @@ class _Caller:
 def _worker_main(conn: Connection, reward: str, module: Optional[str], parent_pid: int) -> None:
     for sig in _IGNORED_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)  # e.g. the trainer killed with -9 while this worker is stuck in a pathological call
     try:
         # A registered name: the module that registered it (a user's or a test's); the built-ins
         # load by name. An import path loads itself. A spawned child has already re-imported the

@@ -103,6 +103,7 @@ training leaves at the end of its step: rollout/evaluation.py `follow_training`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import itertools
@@ -266,8 +267,9 @@ class LengthStats:
         if not text:
             return cls()
         values = json.loads(text)[1:]
-        hist = [tuple(v) for v in values[7:10]] + [()] * (10 - len(values[:10]))
-        return cls(*values[:7], hist=hist[0], hist_sum=hist[1], hist_sq=hist[2])
+        hists = [tuple(v) for v in values[7:10]]
+        hists += [()] * (3 - len(hists))  # a value written before the histogram: none
+        return cls(*values[:7], hist=hists[0], hist_sum=hists[1], hist_sq=hists[2])
 
 
 def kv_capacity(kv: ServerKV, stats: LengthStats, z: float = KV_Z) -> int:
@@ -297,8 +299,6 @@ class Ramp:
     steady: int
 
     def cap(self, ended: int) -> int:
-        import bisect
-
         t = bisect.bisect_left(self.ended, ended)
         return self.caps[t] if t < len(self.caps) else self.steady
 
@@ -484,8 +484,9 @@ class FleetBudget:
         stats = values.pop() if self.kv is not None else b""
         self._follow(stats, values.pop())
         n = len(urls)
-        for i, u in enumerate(urls[: len(clocks) // 2]):
-            self._clock[u] = int(values[n + 2 * i]) - int(values[n + 2 * i + 1])
+        if self.kv is not None:  # each server's clock: ended - start
+            for i, u in enumerate(urls):
+                self._clock[u] = int(values[n + 2 * i]) - int(values[n + 2 * i + 1])
         return [int(v) for v in values[:n]]
 
     def take(self, urls: Sequence[str]) -> str | None:

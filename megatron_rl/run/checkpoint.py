@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -52,8 +51,6 @@ import os
 import queue
 import random
 import shutil
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -61,6 +58,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.distributed.parent import die_with_parent
 
 PREFIX = "step_"
 
@@ -296,11 +295,8 @@ def _write_shards(requests: list) -> None:
 def _forked_writer(requests: list, done_at, parent_pid: int) -> None:
     # Dies with its rank: a rank killed mid-save (out of memory, SIGKILL) must not leave a writer that
     # goes on filling step_N.tmp while the requeued attempt clears it and saves step N there anew.
-    # PR_SET_PDEATHSIG follows the forking thread: the loop's, which lives as long as the rank.
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the rank died before prctl took effect
-        os._exit(1)
+    # Forked by the loop's thread, which lives as long as the rank.
+    die_with_parent(parent_pid)
     gc.disable()  # a collection in the fork could free the parent's CUDA tensors (megatron-core does the same)
     _write_shards(requests)
     done_at.value = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the parent's
