@@ -11,6 +11,9 @@ every rank must pass the same value: never derive it from the transport, which o
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.distributed as dist
 
 from megatron_rl.weights.fp8 import ServedWeights
@@ -23,12 +26,34 @@ def push_weights(learner, transport, weight_version: str | None = None, served: 
     served = served or ServedWeights()
     if hasattr(transport, "push_learner"):
         return transport.push_learner(learner, weight_version, served)
-    named = _export(learner, bucket_bytes)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        return transport.push(served.apply(named), weight_version)
-    for _ in named:
-        pass
+    with _serial_host_copies(learner):
+        named = _export(learner, bucket_bytes)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            return transport.push(served.apply(named), weight_version)
+        for _ in named:
+            pass
     return None
+
+
+@contextlib.contextmanager
+def _serial_host_copies(learner):
+    """A push from host memory with one intra-op thread. Its copies (each bucket into its flat
+    buffer, the HF conversions) are memory-bound, and they run while the transport's sender thread
+    broadcasts the previous bucket and the servers receive it. A parallel copy ends only when every
+    thread of torch's OpenMP pool has run, and the pool's threads spin when they finish, so on
+    shared cores each bucket's copy took the cores the sender and the servers needed: the push to a
+    stand-in server 1.6x slower on two cores (docs/benchmarks.md, weight sync). On CUDA the copies
+    are the device's and nothing changes."""
+    device = getattr(getattr(learner, "ctx", None), "device", None)
+    threads = torch.get_num_threads()
+    if (device is not None and device.type != "cpu") or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _export(learner, bucket_bytes: int | None):

@@ -81,3 +81,13 @@ def test_explicit_env_and_gpu_ids_win_over_the_rule(monkeypatch):
     assert env["MASTER_ADDR"] == "10.0.0.9"  # named in ServerConfig.env on purpose
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7" and env["MY_SETTING"] == "kept"
     assert "SGLANG_USE_CPU_ENGINE" not in env
+
+
+def test_a_cpu_server_s_openmp_threads_sleep_unless_chosen():
+    """A CPU server's OpenMP threads sleep when idle (OMP_WAIT_POLICY=PASSIVE: its scheduler shares
+    the cores with its own processes and the trainer's push), unless the environment or the server's
+    config chose; a GPU server's environment is not touched."""
+    assert server_environment({}, device="cpu")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert server_environment({"OMP_WAIT_POLICY": "ACTIVE"}, device="cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert server_environment({}, {"OMP_WAIT_POLICY": "ACTIVE"}, device="cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert "OMP_WAIT_POLICY" not in server_environment({}, device="cuda")

@@ -167,3 +167,49 @@ def test_a_server_lost_mid_push_fails_the_push_in_seconds_and_aborts_the_group()
         assert not ok.open and not waiting.open
     finally:
         stuck.set()
+
+
+def test_a_host_push_copies_with_one_intra_op_thread_and_gives_the_threads_back():
+    """`push_weights` from host memory: the export and the transport's copies run with one intra-op
+    thread (a parallel copy's OpenMP threads took the cores the sender thread and the servers
+    needed), the learner's thread count is restored after the push and after a failed one, and a
+    learner on CUDA is left as it is."""
+    from types import SimpleNamespace
+
+    from megatron_rl.weights.push import push_weights
+
+    seen = []
+
+    class Learner:
+        def __init__(self, device):
+            self.ctx = SimpleNamespace(device=torch.device(device))
+
+        def export_hf_weights(self):
+            seen.append(("export", torch.get_num_threads()))
+            yield "w", torch.ones(4)
+
+    class Transport:
+        def __init__(self, fail=False):
+            self.fail = fail
+
+        def push(self, named, weight_version=None):
+            names = [n for n, _ in named]
+            seen.append(("push", torch.get_num_threads()))
+            if self.fail:
+                raise WeightSyncError("server lost")
+            return {"names": names}
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert push_weights(Learner("cpu"), Transport()) == {"names": ["w"]}
+        assert seen == [("export", 1), ("push", 1)] and torch.get_num_threads() == 2
+        seen.clear()
+        with pytest.raises(WeightSyncError):
+            push_weights(Learner("cpu"), Transport(fail=True))
+        assert seen == [("export", 1), ("push", 1)] and torch.get_num_threads() == 2
+        seen.clear()
+        push_weights(Learner("cuda"), Transport())  # (no CUDA needed: the learner only says where it is)
+        assert seen == [("export", 2), ("push", 2)]
+    finally:
+        torch.set_num_threads(before)
