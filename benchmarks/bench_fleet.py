@@ -552,8 +552,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2000.0, help="decoded tokens per second per sequence")
     ap.add_argument("--quick", action="store_true", help="a quarter of the prompts, for a smoke run")
     ap.add_argument("--share", type=float, default=EVAL_SHARE, help="the evaluation's share of every server")
-    ap.add_argument("--two", action="store_true", help="only the two-server rounds (an evaluation beside training)")
-    ap.add_argument("--ramp", action="store_true", help="only the following rounds: steady slots against the ramp")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument("--two", action="store_true", help="only the two-server rounds (an evaluation beside training)")
+    only.add_argument("--ramp", action="store_true", help="only the following rounds: steady slots against the ramp")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     EVAL_SHARE = args.share

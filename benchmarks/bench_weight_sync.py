@@ -12,6 +12,8 @@ Rows:
 - push to a stand-in server: the process-group transport (export, flat buckets, pipelined
   broadcast) to a process that joins the update group and receives every bucket as a server does,
   but loads nothing: the learner's side of a push, what the target is about;
+  beside it the same push with its host copies on every intra-op thread (weights/push.py
+  `_serial_host_copies` disabled: the code before it), in the same run;
 - the pushes to SGLang: process group (gloo broadcast of flattened buckets, pipelined) and tensor
   handles (shared memory over HTTP): export + transfer + the server loading the weights + cache
   flush. On CPU the server's own `load_weights` (its copies into its parameters, in the server
@@ -26,6 +28,7 @@ the plain broadcast's bandwidth for the same bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import statistics
@@ -83,6 +86,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=8)  # 8+ buckets: the pipeline runs
+    ap.add_argument("--server-omp", default=None, metavar="POLICY",
+                    help="the SGLang server's OMP_WAIT_POLICY (default: what rollout/server.py gives a CPU "
+                         "server, PASSIVE; 'default' is libgomp's own, its threads spinning when idle)")
     args = ap.parse_args()
 
     from megatron_rl.config.schema import JobConfig
@@ -93,6 +99,7 @@ def main() -> None:
     from megatron_rl.rollout.server import EngineManager, ServerConfig
     from megatron_rl.weights.buckets import bucketize
     from megatron_rl.weights.endpoint import ServerEndpoint
+    from megatron_rl.weights import push as push_module
     from megatron_rl.weights.push import push_weights
     from megatron_rl.weights.standin import StandIn  # shared with tests/distributed/test_weight_export.py
     from megatron_rl.weights.sync_distributed import DistributedWeightSync
@@ -110,7 +117,8 @@ def main() -> None:
         ckpt = make_tiny_checkpoint(Path(tmp) / "m", num_layers=args.layers, hidden=args.hidden,
                                     heads=8, kv_heads=4, head_dim=args.hidden // 8, ffn=3 * args.hidden,
                                     vocab_size=args.vocab)
-        with EngineManager(ServerConfig(model_path=str(ckpt), max_total_tokens=1024), 1,
+        with EngineManager(ServerConfig(model_path=str(ckpt), max_total_tokens=1024,
+                                        env={"OMP_WAIT_POLICY": args.server_omp} if args.server_omp else {}), 1,
                            log_dir=Path(tmp) / "logs") as mgr:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
             cfg = JobConfig()
@@ -143,6 +151,14 @@ def main() -> None:
             to_stand_in.connect()
             rows.append(("push to a stand-in server (loads nothing)",
                          median_of(lambda: push_weights(learner, to_stand_in, **kw))))
+            if hasattr(push_module, "_serial_host_copies"):  # the same, its copies on every thread
+                serial = push_module._serial_host_copies
+                push_module._serial_host_copies = lambda _learner: contextlib.nullcontext()
+                try:
+                    rows.append(("  the same, copies on every intra-op thread",
+                                 median_of(lambda: push_weights(learner, to_stand_in, **kw))))
+                finally:
+                    push_module._serial_host_copies = serial
             to_stand_in.close()
             stand_in.proc.join()
 

@@ -145,7 +145,8 @@ def server_environment(environ: Mapping[str, str], extra: Mapping[str, str] | No
         # OpenMP threads that finish a parallel region sleep instead of spinning (unless chosen):
         # a CPU server's scheduler shares the cores with its own tokenizer and detokenizer
         # processes, the trainer, and, during a push, the transport's sender (docs/benchmarks.md,
-        # weight sync: the push to a CPU server 1.3x faster, the demo's generation 1.15x faster).
+        # weight sync: the push and the demo's generation faster on two shared cores). A CPU
+        # server on cores of its own may want ACTIVE (ServerConfig.env).
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     elif gpu_ids is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)

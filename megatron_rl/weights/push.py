@@ -41,12 +41,16 @@ def _serial_host_copies(learner):
     buffer, the HF conversions) are memory-bound, and they run while the transport's sender thread
     broadcasts the previous bucket and the servers receive it. A parallel copy ends only when every
     thread of torch's OpenMP pool has run, and the pool's threads spin when they finish, so on
-    shared cores each bucket's copy took the cores the sender and the servers needed: the push to a
-    stand-in server 1.6x slower on two cores (docs/benchmarks.md, weight sync). On CUDA the copies
-    are the device's and nothing changes."""
+    shared cores each bucket's copy took the cores the sender and the servers needed
+    (docs/benchmarks.md, weight sync). On CUDA the copies are the device's and nothing changes.
+
+    The count is restored after the push, failed or not. ATen reads it once per thread, at the
+    thread's first parallel op: a thread whose first parallel op falls within a push keeps one
+    intra-op thread (the calling thread and every thread that ran one before are unaffected)."""
     device = getattr(getattr(learner, "ctx", None), "device", None)
+    on_host = device.type == "cpu" if device is not None else not torch.cuda.is_available()
     threads = torch.get_num_threads()
-    if (device is not None and device.type != "cpu") or threads == 1:
+    if not on_host or threads == 1:
         yield
         return
     torch.set_num_threads(1)

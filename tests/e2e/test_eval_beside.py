@@ -2,9 +2,10 @@
 the evaluation beside training takes a share of both (eval.share unset: 0.2 of each server's room),
 at the weights it evaluates, and the next push waits for it (rollout/evaluation.py).
 
-Through the real trainer (tiny_cpu, 5 steps, synchronous, an evaluation due after every step, 16
-samples of up to 8 tokens each: one that fits in a step, the learner's time being the
-evaluation's whole room):
+Through the real trainer (tiny_cpu, 5 steps, synchronous, an evaluation due after every step, 8
+samples of up to 4 tokens each: one that fits in a step, the learner's time, four updates of 64
+samples, being the evaluation's room; 16 samples of 8 tokens beside two updates of 32 did not fit
+on a fast machine under the suite's load, where every push waited 0.03-0.12 s):
 - every evaluation beside training names the weights it evaluated (eval/step = v) and every token
   it scored came from exactly those weights (eval/weight_version, from the servers' own per-token
   version spans), though it shared both servers with training: no push came while it ran;
@@ -42,9 +43,9 @@ def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shar
     out = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
          f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={STEPS}",
-         "rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=2",
+         "rollout.prompts_per_step=16", "rollout.n_samples=4", "algorithm.mini_batches=4",
          "learner.micro_batch_size=8", "trainer.progress=false", "trainer.plot=false",
-         "eval.every=1", "eval.servers=1", "eval.num_prompts=4", "eval.k=4", "eval.max_new_tokens=8"],
+         "eval.every=1", "eval.servers=1", "eval.num_prompts=2", "eval.k=4", "eval.max_new_tokens=4"],
         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     log = out.stdout + out.stderr
