@@ -28,7 +28,11 @@ Pieces (each needed to serve a tiny Qwen3 / Qwen3-MoE with `--device cpu`):
   backend (`intel_amx` / `torch_native`) is added to the allowed list (SGLang then turns the
   radix cache off itself), and batch-invariant mode is the CPU one below: aten::mm / aten::addmm
   in fixed tiles of 64 rows, because MKL's GEMM rounds a row differently with the number of rows
-  in the call (so a sample's log-probs depended on its batch-mates, ~1e-7). Sampling uses the
+  in the call (so a sample's log-probs depended on its batch-mates, ~1e-7). Chunked prefill is
+  off (`deterministic_server_argv`, which the launcher applies): torch_native attention takes a
+  sequence's whole context in one SDPA call, and the CPU kernel rounds a row by the call's length,
+  so a prompt split where a crowded prefill batch fills its chunk got prefix rows rounded otherwise
+  than unsplit (one sample in ~15,000 of the synchronous-loop golden, an ulp). Sampling uses the
   seeded path (`multinomial_with_seed`), whose hash has a Triton kernel and a `sgl_kernel` CPU
   op only: `murmur_hash32_cpu` is registered here as torch code (the Triton kernel's arithmetic,
   bit for bit), and the sampler's `torch.compile` wrapper is taken off on CPU (Inductor would
@@ -236,6 +240,52 @@ def enable_cpu_batch_invariant_mode() -> None:
     _batch_invariant_lib = torch.library.Library("aten", "IMPL")
     _batch_invariant_lib.impl("aten::mm", _mm_fixed_tiles, "CPU")
     _batch_invariant_lib.impl("aten::addmm", _addmm_fixed_tiles, "CPU")
+
+
+CHUNKED_PREFILL_FLAG = "--chunked-prefill-size"
+MAX_PREFILL_FLAG = "--max-prefill-tokens"
+DETERMINISTIC_PREFILL_TOKENS = 4096  # the chunk SGLang picks on a 20-60 GB host: the same batches and reserve
+_DETERMINISTIC_FLAGS = ("--enable-deterministic-inference", "--rl-on-policy-target")
+
+
+def deterministic_server_argv(argv: list[str]) -> list[str]:
+    """A CPU server's arguments with chunked prefill off where they ask for deterministic inference.
+
+    The fixed tiles make every GEMM's row independent of its batch-mates; attention is the other
+    place a row meets them. torch_native computes each sequence's extend in one SDPA call over its
+    whole context, and the CPU flash kernel's blocks, vector tails and GEMM row counts follow the
+    call's length. A prompt prefilled whole always meets the same call; one split by chunked prefill
+    (wherever a prefill batch fills `--chunked-prefill-size`, so only among other requests) has its
+    first part's rows computed in a shorter call, rounded differently, and every later row and
+    log-prob moves by an ulp. Off, each prompt is one call of its own length; prefill batches are
+    then bounded by `--max-prefill-tokens` alone (a prompt above it still runs, alone), which is set
+    to DETERMINISTIC_PREFILL_TOKENS unless given: SGLang sizes its activation reserve by it when
+    chunking is off, and its default (16,384 tokens, a 25 GB reserve) leaves a host's memory
+    negative for the KV cache.
+
+    A requeued or retracted request (KV exhausted mid-decode) is prefilled again with its tokens so
+    far: those rows differ from their decode by the same ulps; deterministic mode promises nothing
+    there. An explicit positive chunk size is refused rather than silently changed."""
+    def given(flag: str) -> str | None:
+        value = None
+        for i, a in enumerate(argv):
+            if a == flag:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            elif a.startswith(flag + "="):
+                value = a.split("=", 1)[1]
+        return value
+
+    if not any(given(f) is not None for f in _DETERMINISTIC_FLAGS):
+        return list(argv)
+    size = given(CHUNKED_PREFILL_FLAG)
+    out = list(argv) if size is not None else [*argv, CHUNKED_PREFILL_FLAG, "-1"]
+    if given(MAX_PREFILL_FLAG) is None:
+        out += [MAX_PREFILL_FLAG, str(DETERMINISTIC_PREFILL_TOKENS)]
+    if size is not None and int(size) > 0:
+        raise ValueError(f"{CHUNKED_PREFILL_FLAG} {size} with deterministic inference on CPU: a prompt split "
+                         "into chunks is rounded differently from one prefilled whole, so its log-probs would "
+                         f"depend on its batch-mates; leave {CHUNKED_PREFILL_FLAG} out (it is then -1, off)")
+    return out
 
 
 def _maybe_enable_cpu_batch_invariant_mode(model_runner) -> None:

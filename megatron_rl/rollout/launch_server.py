@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         apply_patches()
     # Same steps as `python -m sglang.launch_server` (sglang 0.5.23's __main__ block).
+    if _device(argv) == "cpu":
+        from patches import sglang_cpu
+
+        argv = sglang_cpu.deterministic_server_argv(argv)
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args

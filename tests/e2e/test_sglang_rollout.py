@@ -15,8 +15,10 @@ MoE servers are this module's own (one is killed).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -196,6 +198,10 @@ def test_deterministic_mode_is_batch_invariant(dense):
     other prefill/decode batch sizes) give bit-identical records. Without the fixed-tile GEMMs of
     patches/sglang_cpu.py the log-probs differ in the last bits (MKL rounds by batch size)."""
     _, mgr = dense
+    # Each prompt prefilled whole (patches/sglang_cpu.py deterministic_server_argv): a prompt split
+    # by chunked prefill, which only a crowded batch does, is rounded otherwise than unsplit.
+    with urllib.request.urlopen(mgr.urls()[0] + "/server_info", timeout=30) as resp:
+        assert json.loads(resp.read())["chunked_prefill_size"] == -1
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=1234)
     g = torch.Generator().manual_seed(0)
     others = [torch.randint(3, 90, (int(n),), generator=g).tolist()

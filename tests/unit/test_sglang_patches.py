@@ -208,6 +208,41 @@ def test_fixed_tile_matmul_is_batch_invariant_and_exact():
         torch.testing.assert_close(out.double(), 0.5 * bias.double() + 2 * ref, rtol=0, atol=2e-4)
 
 
+def test_deterministic_cpu_server_prefills_each_prompt_whole():
+    """Deterministic inference on CPU turns chunked prefill off (an explicit chunk size is refused),
+    because CPU attention rounds a prefix's rows by the length of the call that computes them: the
+    first part of a split prompt would be rounded otherwise than the same prompt unsplit."""
+    import torch
+    import torch.nn.functional as F
+
+    argv = ["--model-path", "m", "--device", "cpu"]
+    det = argv + ["--enable-deterministic-inference"]
+    assert sglang_cpu.deterministic_server_argv(argv) == argv
+    off = ["--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096"]
+    assert sglang_cpu.deterministic_server_argv(det) == det + off
+    assert sglang_cpu.deterministic_server_argv(argv + ["--rl-on-policy-target", "fsdp"])[-4:] == off
+    for given in (["--chunked-prefill-size", "-1"], ["--chunked-prefill-size=-1"]):
+        assert sglang_cpu.deterministic_server_argv(det + given) == det + given + off[2:]
+    mine = det + ["--max-prefill-tokens=1024"]
+    assert sglang_cpu.deterministic_server_argv(mine) == mine + off[:2]
+    for on in (["--chunked-prefill-size", "4096"], ["--chunked-prefill-size=8"]):
+        with pytest.raises(ValueError, match="leave --chunked-prefill-size out"):
+            sglang_cpu.deterministic_server_argv(det + on)
+
+    # Why: the same causal attention of a prompt's first p rows, computed in a call of p rows (the
+    # first chunk) and within the call of the whole prompt, is not bit-identical on CPU.
+    g = torch.Generator().manual_seed(0)
+    split_differs = 0
+    for n in (27, 40, 70):
+        q, k, v = (torch.randn(1, 4, n, 16, generator=g) for _ in range(3))
+        whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        for p in range(1, n, 3):
+            part = F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True)
+            torch.testing.assert_close(part, whole[:, :, :p], rtol=0, atol=1e-5)
+            split_differs += not torch.equal(part, whole[:, :, :p])
+    assert split_differs > 0
+
+
 @pytest.mark.slow
 def test_batch_invariant_mode_routes_linear_and_matmul():
     """Once enabled (what the scheduler does under --enable-deterministic-inference on CPU),
