@@ -36,12 +36,12 @@ Why the automatic choice: holding N of S servers makes a step beside the evaluat
 S / (S - N) of one without. N <= MAX_HELD x S keeps that within 1.25x, and whole servers keep the
 pushes on time whatever the evaluation's length, so big fleets hold. Below that a share is
 cheaper. `benchmarks/bench_fleet.py --two` (30B shape, one rollout node: two servers, the AIME
-evaluation of about one step's generation of work) measures a whole step beside the evaluation:
-1.17x one without with eval.share=0.2, against 1.32x holding one server, at the learner time of
-the 2 + 1 layout (0.35 x the generation, docs/cluster.md); 1.57x against 1.44x with no learner
-time at all (the evaluation must end before the next push, and only the learner's time is free).
-So a share wins wherever the learner's time is more than about a seventh of the generation's
-(where the two met in that run), which is every layout docs/cluster.md lists.
+evaluation of about one step's generation of work) measures a whole step beside the evaluation
+against one without, at the 2 + 1 layout's learner time (docs/cluster.md) and others: a fifth of
+every server costs less than holding one of the two wherever the learner's time is more than a small
+part of the generation's, which is every layout docs/cluster.md lists; with no learner time at all
+holding wins (the evaluation must end before the next push, and only the learner's time is free).
+The figures, and the bound they meet (the evaluation's own length), are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class BesideTraining:
         self.groups_formed = 0  # weight-update groups (transports) rank 0 formed
         self._thread: Optional[threading.Thread] = None
         self._out: Optional[tuple] = None  # (step, metrics or None, error or None)
-        self._started = 0.0
+        self._started = self._ended = 0.0
         self._pushes = 0  # pushes made (every rank): the key of a push's wait for an evaluation
         self._waited_at_pause = 0.0  # rank 0: what the pause before this push waited for one
         self._signal = None
@@ -177,7 +177,8 @@ class BesideTraining:
                 return (f"{len(pushed_to)} server(s) hold these weights{why}; eval.servers={k} would "
                         "leave none to training")
             servers = hold = list(pushed_to[-k:])
-        self.hold, self.share, self._out, self._started = hold, share, None, time.monotonic()
+        self.hold, self.share, self._out = hold, share, None
+        self._started = self._ended = time.monotonic()
         fleet._eval_budget.set_share(share or 1.0)
         training = None
         if share:
@@ -206,6 +207,7 @@ class BesideTraining:
             except BaseException as e:  # noqa: BLE001 - reported by result, never ends the run
                 self._out = (step, None, e)
             finally:
+                self._ended = time.monotonic()  # time/eval: its own length, not when it is collected
                 done.set()
                 if follower is not None:
                     follower.join()
@@ -273,7 +275,7 @@ class BesideTraining:
         self._thread = None
         step, metrics, error = self._out
         if metrics is not None:
-            metrics["time/eval"] = time.monotonic() - self._started
+            metrics["time/eval"] = self._ended - self._started
         return step, metrics, error
 
     def running(self) -> bool:

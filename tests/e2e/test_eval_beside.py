@@ -14,8 +14,16 @@ on a fast machine under the suite's load, where every push waited 0.03-0.12 s):
 - every push reached both servers (rollout/servers_up) and the weight-update group was formed once,
   at the start (weight_sync/groups_formed): never again for an evaluation;
 - training did not wait for an evaluation that fit in its step (time/eval_wait 0 at the pushes).
-Whole servers held at the evaluated weights (a bigger fleet, or eval.share=0): unit tests and the
-benchmark (tests/unit/test_admission_share.py, benchmarks/bench_fleet.py).
+
+Whole servers held at the evaluated weights (eval.share=0, what a bigger fleet gets by default), on
+the same two servers, with an evaluation longer than a step (64 samples of up to 96 tokens beside
+steps of 32 one-token samples):
+- the evaluation holds the second server: a push while it runs reaches the first only
+  (rollout/servers_up 1) and forms the update group anew without it, the next push after it ends
+  reaches both again; training never waits for it (time/eval_wait 0 at every push);
+- every token it scored still came from the weights it names (eval/weight_version = eval/step),
+  though pushes came while it ran; an evaluation due while the server is held is skipped, not
+  started on other weights.
 """
 
 from __future__ import annotations
@@ -28,17 +36,22 @@ import pytest
 from megatron_rl.run.metrics import read_metrics
 
 STEPS = 5
+HOLD_STEPS = 3
 
 
-@pytest.mark.slow
-def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shared_server):
+def two_servers(tmp_path_factory, shared_server) -> list[str]:
     from megatron_rl.config.load import load_config, to_object
     from megatron_rl.models.tiny import make_tiny_checkpoint
 
     tiny = to_object(load_config("tiny_cpu")).model.tiny
     ckpt = make_tiny_checkpoint(tmp_path_factory.getbasetemp() / "tiny_cpu_model", **vars(tiny))  # idempotent
     # Two servers of the model (deterministic inference or not: unseeded sampling needs neither).
-    urls = [shared_server(ckpt).urls()[0], shared_server(ckpt, deterministic=False).urls()[0]]
+    return [shared_server(ckpt).urls()[0], shared_server(ckpt, deterministic=False).urls()[0]]
+
+
+@pytest.mark.slow
+def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shared_server):
+    urls = two_servers(tmp_path_factory, shared_server)
     run = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
@@ -71,3 +84,35 @@ def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shar
     # An evaluation that fits in its step costs the push no wait (0: it had ended before it).
     waits = [r["time/eval_wait"] for r in train]
     assert sum(w == 0.0 for w in waits) >= STEPS - 1, waits
+
+
+@pytest.mark.slow
+def test_eval_holding_a_server_keeps_its_weights_while_pushes_pass_it(tmp_path, tmp_path_factory, shared_server):
+    urls = two_servers(tmp_path_factory, shared_server)
+    run = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
+         f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={HOLD_STEPS}",
+         "rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=1",
+         "learner.micro_batch_size=32", "trainer.progress=false", "trainer.plot=false",
+         "eval.every=1", "eval.servers=1", "eval.share=0", "eval.num_prompts=8", "eval.k=8",
+         "eval.max_new_tokens=96"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    log = out.stdout + out.stderr
+    assert "evaluation beside training: on 1 whole server(s) held at its weights" in log, log[-3000:]
+    rows = read_metrics(run)
+    train = [r for r in rows if "rollout/accuracy" in r]
+    assert [r["step"] for r in train] == list(range(HOLD_STEPS)), [r["step"] for r in rows]
+    beside = [r for r in rows if "eval/step" in r]
+    assert beside, log[-3000:]
+    for r in beside:  # its weights, though pushes passed the held server while it ran
+        assert r["eval/weight_version"] == r["eval/step"] and "eval/mean@8" in r, r
+    # A push while it ran reached the other server only, and the group was formed anew for it.
+    ups = [r.get("rollout/servers_up") for r in train]
+    assert 1.0 in ups, ups
+    assert train[-1]["weight_sync/groups_formed"] > 1.0, train[-1]
+    # An evaluation due while the server was held was skipped, never started on other weights.
+    assert len(beside) + log.count(" skipped: ") == HOLD_STEPS, (len(beside), log[-3000:])
+    # Holding a server never delays a push.
+    assert all(r["time/eval_wait"] == 0.0 for r in train), [r["time/eval_wait"] for r in train]
