@@ -244,7 +244,18 @@ def enable_cpu_batch_invariant_mode() -> None:
 
 CHUNKED_PREFILL_FLAG = "--chunked-prefill-size"
 MAX_PREFILL_FLAG = "--max-prefill-tokens"
-DETERMINISTIC_PREFILL_TOKENS = 4096  # the chunk SGLang picks on a 20-60 GB host: the same batches and reserve
+SMALL_HOST_BYTES = 20 * 2**30  # below it SGLang chunks prefill by 2,048 tokens, else by 4,096 or more
+
+
+def deterministic_prefill_tokens(memory_bytes: int | None = None) -> int:
+    """The prefill batch budget of a deterministic CPU server: the chunk SGLang itself picks for a
+    host of this memory (2,048 tokens below 20 GB, else 4,096), so its activation reserve stays
+    what it was with chunking on."""
+    if memory_bytes is None:
+        import psutil
+
+        memory_bytes = psutil.virtual_memory().total
+    return 2048 if memory_bytes < SMALL_HOST_BYTES else 4096
 _DETERMINISTIC_FLAGS = ("--enable-deterministic-inference", "--rl-on-policy-target")
 
 
@@ -258,10 +269,12 @@ def deterministic_server_argv(argv: list[str]) -> list[str]:
     (wherever a prefill batch fills `--chunked-prefill-size`, so only among other requests) has its
     first part's rows computed in a shorter call, rounded differently, and every later row and
     log-prob moves by an ulp. Off, each prompt is one call of its own length; prefill batches are
-    then bounded by `--max-prefill-tokens` alone (a prompt above it still runs, alone), which is set
-    to DETERMINISTIC_PREFILL_TOKENS unless given: SGLang sizes its activation reserve by it when
-    chunking is off, and its default (16,384 tokens, a 25 GB reserve) leaves a host's memory
-    negative for the KV cache.
+    then bounded by `--max-prefill-tokens` alone: set, unless given, to the chunk SGLang would have
+    used (`deterministic_prefill_tokens`), because SGLang sizes its activation reserve by it when
+    chunking is off, and its default (16,384 tokens, a 25 GB reserve) leaves a small host's memory
+    negative for the KV cache. A request that does not fit a batch waits for the next instead of
+    being split; a prompt above the budget runs alone, whole, beyond the reserve (a CPU server's
+    prompts are short).
 
     A requeued or retracted request (KV exhausted mid-decode) is prefilled again with its tokens so
     far: those rows differ from their decode by the same ulps; deterministic mode promises nothing
@@ -280,8 +293,8 @@ def deterministic_server_argv(argv: list[str]) -> list[str]:
     size = given(CHUNKED_PREFILL_FLAG)
     out = list(argv) if size is not None else [*argv, CHUNKED_PREFILL_FLAG, "-1"]
     if given(MAX_PREFILL_FLAG) is None:
-        out += [MAX_PREFILL_FLAG, str(DETERMINISTIC_PREFILL_TOKENS)]
-    if size is not None and int(size) > 0:
+        out += [MAX_PREFILL_FLAG, str(deterministic_prefill_tokens())]
+    if size is not None and (not size.lstrip("-").isdigit() or int(size) > 0):
         raise ValueError(f"{CHUNKED_PREFILL_FLAG} {size} with deterministic inference on CPU: a prompt split "
                          "into chunks is rounded differently from one prefilled whole, so its log-probs would "
                          f"depend on its batch-mates; leave {CHUNKED_PREFILL_FLAG} out (it is then -1, off)")

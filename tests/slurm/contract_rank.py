@@ -13,7 +13,8 @@ SIGUSR1 or SIGTERM a rank finishes its step, rank 0 writes <out_dir>/checkpoints
 step reached), every rank records `preempted-rank<R>-attempt<N>` and exits 0. On start it resumes
 from checkpoints/latest. Ranks come from Slurm's variables, as the trainer reads them.
 
-CONTRACT_CRASH=R:K:C makes rank R fail at the K-th step of every attempt: C=1 raises (a
+CONTRACT_CRASH=R:K:C makes rank R fail at the K-th step of every attempt, counted from when every
+rank is up (`started-rank<R>-attempt<N>`): C=1 raises (a
 RuntimeError's traceback, exit 1), C=2 exits 2 with the CLI's one-line configuration error. (srun
 then ends the other rank with SIGTERM, which it takes as a preemption: rank 0, if it is the other,
 checkpoints.)
@@ -59,6 +60,15 @@ def main(argv: list[str]) -> int:
                 replies[url] = json.loads(r.read())["output_ids"]
         (out / f"rollout-rank{rank}.json").write_text(json.dumps(replies))
     crash = [int(x) for x in os.environ["CONTRACT_CRASH"].split(":")] if os.environ.get("CONTRACT_CRASH") else None
+    # Up, its signal handlers in place: a rank that crashes counts its steps only once every other
+    # rank is, or srun's SIGTERM could reach one still starting (under load a rank starts seconds
+    # after another) and end it without the checkpoint a preemption writes.
+    (out / f"started-rank{rank}-attempt{attempt}").write_text("")
+    if crash and crash[0] == rank:
+        others = [out / f"started-rank{r}-attempt{attempt}" for r in range(int(os.environ["SLURM_NTASKS"])) if r != rank]
+        deadline = time.monotonic() + 120
+        while not all(p.exists() for p in others) and time.monotonic() < deadline:
+            time.sleep(0.05)
     start = step
     while step < steps:
         time.sleep(STEP_S)

@@ -212,25 +212,32 @@ def test_deterministic_cpu_server_prefills_each_prompt_whole():
     """Deterministic inference on CPU turns chunked prefill off (an explicit chunk size is refused),
     because CPU attention rounds a prefix's rows by the length of the call that computes them: the
     first part of a split prompt would be rounded otherwise than the same prompt unsplit."""
-    import torch
-    import torch.nn.functional as F
-
     argv = ["--model-path", "m", "--device", "cpu"]
     det = argv + ["--enable-deterministic-inference"]
     assert sglang_cpu.deterministic_server_argv(argv) == argv
-    off = ["--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096"]
+    budget = str(sglang_cpu.deterministic_prefill_tokens())
+    assert sglang_cpu.deterministic_prefill_tokens(8 * 2**30) == 2048  # SGLang's own chunk there
+    assert sglang_cpu.deterministic_prefill_tokens(24 * 2**30) == 4096
+    off = ["--chunked-prefill-size", "-1", "--max-prefill-tokens", budget]
     assert sglang_cpu.deterministic_server_argv(det) == det + off
     assert sglang_cpu.deterministic_server_argv(argv + ["--rl-on-policy-target", "fsdp"])[-4:] == off
     for given in (["--chunked-prefill-size", "-1"], ["--chunked-prefill-size=-1"]):
         assert sglang_cpu.deterministic_server_argv(det + given) == det + given + off[2:]
     mine = det + ["--max-prefill-tokens=1024"]
     assert sglang_cpu.deterministic_server_argv(mine) == mine + off[:2]
-    for on in (["--chunked-prefill-size", "4096"], ["--chunked-prefill-size=8"]):
+    for on in (["--chunked-prefill-size", "4096"], ["--chunked-prefill-size=8"], ["--chunked-prefill-size"]):
         with pytest.raises(ValueError, match="leave --chunked-prefill-size out"):
             sglang_cpu.deterministic_server_argv(det + on)
 
-    # Why: the same causal attention of a prompt's first p rows, computed in a call of p rows (the
-    # first chunk) and within the call of the whole prompt, is not bit-identical on CPU.
+
+
+def test_cpu_attention_rounds_a_split_prompt_otherwise():
+    """Why chunked prefill is off: the same causal attention of a prompt's first p rows, computed in
+    a call of p rows (the first chunk) and within the call of the whole prompt, is not bit-identical
+    on CPU (equal to fp32 noise)."""
+    import torch
+    import torch.nn.functional as F
+
     g = torch.Generator().manual_seed(0)
     split_differs = 0
     for n in (27, 40, 70):
@@ -240,7 +247,8 @@ def test_deterministic_cpu_server_prefills_each_prompt_whole():
             part = F.scaled_dot_product_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], is_causal=True)
             torch.testing.assert_close(part, whole[:, :, :p], rtol=0, atol=1e-5)
             split_differs += not torch.equal(part, whole[:, :, :p])
-    assert split_differs > 0
+    if not split_differs:  # a property of this CPU's kernels, not of the patch
+        pytest.skip("this CPU's attention rounds a split prompt as the whole one: nothing to show")
 
 
 @pytest.mark.slow
