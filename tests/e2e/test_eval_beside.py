@@ -49,17 +49,22 @@ def two_servers(tmp_path_factory, shared_server) -> list[str]:
     return [shared_server(ckpt).urls()[0], shared_server(ckpt, deterministic=False).urls()[0]]
 
 
+def train_on_two_servers(run, urls: list[str], steps: int, *overrides: str) -> subprocess.CompletedProcess:
+    """tiny_cpu on both servers, unseeded, an evaluation beside training due after every step."""
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
+         f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={steps}",
+         "trainer.progress=false", "trainer.plot=false", "eval.every=1", "eval.servers=1", *overrides],
+        capture_output=True, text=True, timeout=900)
+
+
 @pytest.mark.slow
 def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shared_server):
-    urls = two_servers(tmp_path_factory, shared_server)
     run = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
-         f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={STEPS}",
-         "rollout.prompts_per_step=16", "rollout.n_samples=4", "algorithm.mini_batches=4",
-         "learner.micro_batch_size=8", "trainer.progress=false", "trainer.plot=false",
-         "eval.every=1", "eval.servers=1", "eval.num_prompts=2", "eval.k=4", "eval.max_new_tokens=4"],
-        capture_output=True, text=True, timeout=900)
+    out = train_on_two_servers(run, two_servers(tmp_path_factory, shared_server), STEPS,
+                               "rollout.prompts_per_step=16", "rollout.n_samples=4", "algorithm.mini_batches=4",
+                               "learner.micro_batch_size=8", "eval.num_prompts=2", "eval.k=4",
+                               "eval.max_new_tokens=4")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     log = out.stdout + out.stderr
     assert "evaluation beside training: 20% of every server's room" in log, log[-3000:]
@@ -88,16 +93,11 @@ def test_eval_beside_training_keeps_its_weights(tmp_path, tmp_path_factory, shar
 
 @pytest.mark.slow
 def test_eval_holding_a_server_keeps_its_weights_while_pushes_pass_it(tmp_path, tmp_path_factory, shared_server):
-    urls = two_servers(tmp_path_factory, shared_server)
     run = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "train", "tiny_cpu", f"trainer.out_dir={run}",
-         f"rollout.server_urls=[{urls[0]},{urls[1]}]", "rollout.seeded=false", f"trainer.steps={HOLD_STEPS}",
-         "rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=1",
-         "learner.micro_batch_size=32", "trainer.progress=false", "trainer.plot=false",
-         "eval.every=1", "eval.servers=1", "eval.share=0", "eval.num_prompts=8", "eval.k=8",
-         "eval.max_new_tokens=128"],
-        capture_output=True, text=True, timeout=900)
+    out = train_on_two_servers(run, two_servers(tmp_path_factory, shared_server), HOLD_STEPS,
+                               "rollout.prompts_per_step=8", "rollout.n_samples=4", "algorithm.mini_batches=1",
+                               "learner.micro_batch_size=32", "eval.share=0", "eval.num_prompts=8", "eval.k=8",
+                               "eval.max_new_tokens=128")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     log = out.stdout + out.stderr
     assert "evaluation beside training: on 1 whole server(s) held at its weights" in log, log[-3000:]
