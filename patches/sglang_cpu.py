@@ -256,6 +256,8 @@ def deterministic_prefill_tokens(memory_bytes: int | None = None) -> int:
 
         memory_bytes = psutil.virtual_memory().total
     return 2048 if memory_bytes < SMALL_HOST_BYTES else 4096
+
+
 _DETERMINISTIC_FLAGS = ("--enable-deterministic-inference", "--rl-on-policy-target")
 
 
@@ -279,14 +281,10 @@ def deterministic_server_argv(argv: list[str]) -> list[str]:
     A requeued or retracted request (KV exhausted mid-decode) is prefilled again with its tokens so
     far: those rows differ from their decode by the same ulps; deterministic mode promises nothing
     there. An explicit positive chunk size is refused rather than silently changed."""
+    from megatron_rl.rollout.placement import flag_value  # no torch at import
+
     def given(flag: str) -> str | None:
-        value = None
-        for i, a in enumerate(argv):
-            if a == flag:
-                value = argv[i + 1] if i + 1 < len(argv) else ""
-            elif a.startswith(flag + "="):
-                value = a.split("=", 1)[1]
-        return value
+        return "" if argv and argv[-1] == flag else flag_value(argv, (flag,))  # a store_true flag last
 
     if not any(given(f) is not None for f in _DETERMINISTIC_FLAGS):
         return list(argv)
