@@ -4,6 +4,15 @@ Used by the multi-process tests and the CPU benchmarks: real collectives over gl
 `fn(rank, world_size, *args)` runs after `torch.distributed.init_process_group("gloo")`; its
 return value (anything picklable; tensors are fine) comes back in rank order. An exception on any
 rank is re-raised in the caller with that rank's traceback.
+
+On a machine without CUDA, ranks start from a fork server (multiprocessing's "forkserver"), one per
+calling process, that has imported torch, megatron-core, mbridge and transformers once (`PRELOAD`):
+a rank starts in a fraction of a second instead of importing them again (about 5 s of CPU per rank
+on a 2-core machine). Each rank is a fresh fork of that server, never of the caller, so nothing of
+the caller's state (threads, process groups, patches applied) leaks into it; it takes the caller's
+current environment, working directory, sys.path, stdout and stderr (the file descriptors, passed to
+it), as a spawned process would. `tests/distributed` on two pytest-xdist workers: 221 s with spawned
+ranks, 67 s with forked ones.
 """
 
 from __future__ import annotations
@@ -22,6 +31,27 @@ import torch.multiprocessing as mp
 
 
 EXIT_GRACE_S = 30.0
+# Imported once by the fork server; not patched there (each rank applies the project's patches itself,
+# as a spawned rank did), and none starts a thread or touches a device at import.
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "mbridge", "transformers")
+_ctx = None
+
+
+def _context():
+    """The forkserver context, its preload set on first use (the server starts with the first rank).
+    Where CUDA is present, spawn as before: a module that asks for the device count at import starts
+    the CUDA driver in the fork server, and CUDA does not survive a fork."""
+    global _ctx
+    if _ctx is None:
+        if torch.cuda.is_available():
+            _ctx = mp.get_context("spawn")
+        else:
+            import importlib.util
+
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload([m for m in PRELOAD if importlib.util.find_spec(m.split(".")[0])])
+            _ctx = ctx
+    return _ctx
 
 
 def free_port() -> int:
@@ -30,7 +60,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+class _Fd:
+    """The caller's file descriptor `fd`, sent to the rank as it starts (the fork server's own stdout and
+    stderr are those of the caller's first rank: pytest's capture of another test, say)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):  # pickled while the rank starts: the fd travels with it
+        from multiprocessing import reduction
+
+        return _Fd._received, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _received(dup) -> int:
+        return dup.detach()
+
+
+def _stdio() -> tuple[_Fd, _Fd] | None:
+    """This process's stdout and stderr for a rank, when both are open (a daemon may have neither)."""
+    try:
+        os.fstat(1), os.fstat(2)
+    except OSError:
+        return None
+    return _Fd(1), _Fd(2)
+
+
+def _take_stdio(fds: tuple[int, int]) -> None:
+    import sys
+
+    for stream, target, fd in ((sys.stdout, 1, fds[0]), (sys.stderr, 2, fds[1])):
+        stream.flush()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
+            environ: dict[str, str] | None = None, stdio: tuple[int, int] | None = None) -> None:
+    if stdio is not None:
+        _take_stdio(stdio)
+    if environ is not None:  # the caller's environment now, not the fork server's at its start
+        os.environ.clear()
+        os.environ.update(environ)
+        if "OMP_NUM_THREADS" in environ:  # read by the OpenMP runtime when torch was imported
+            torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -84,11 +157,12 @@ class _PortTaken(Exception):
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = 0 if world_size == 1 else free_port()  # a group of one: its store binds any free port
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, dict(os.environ), _stdio()),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

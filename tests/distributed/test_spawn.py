@@ -1,9 +1,13 @@
 """megatron_rl.distributed.spawn: a port taken between the probe and rank 0's bind (another process
-on the machine took it: a CI failure once) is retried on a new port, not reported as a failure."""
+on the machine took it: a CI failure once) is retried on a new port, not reported as a failure; ranks
+forked from the fork server see the caller as it is now (environment, working directory, stdout and
+stderr), as spawned ones did."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -37,3 +41,31 @@ def test_a_port_taken_before_the_bind_is_retried(monkeypatch):
             assert "ports taken before rank 0 bound them" in str(e)
         else:
             raise AssertionError("a held port did not fail the run")
+
+
+def _report(rank, world_size):
+    print(f"rank {rank} says hello on stdout")
+    print(f"rank {rank} says hello on stderr", file=sys.stderr)
+    return {"probe": os.environ.get("MRL_SPAWN_PROBE"), "cwd": os.getcwd(), "rank_env": os.environ["RANK"],
+            "preloaded": "megatron.core" in sys.modules, "threads": torch.get_num_threads()}
+
+
+@pytest.mark.slow
+def test_forked_ranks_see_the_callers_environment_folder_and_output(monkeypatch, tmp_path, capfd):
+    assert spawn.run_distributed(_sum_ranks, 2, timeout=120) == [1.0, 1.0]  # the fork server runs now
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA, ranks are spawned (tested above)")
+    assert spawn._context().get_start_method() == "forkserver"
+    # Changed after the fork server started: a rank must still see them.
+    monkeypatch.setenv("MRL_SPAWN_PROBE", "now")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    out = spawn.run_distributed(_report, 2, timeout=120)
+    assert [r["rank_env"] for r in out] == ["0", "1"]
+    assert all(r["probe"] == "now" and r["cwd"] == str(tmp_path) and r["threads"] == 1 for r in out), out
+    assert all(r["preloaded"] for r in out)  # forked from the server that imported it
+    captured = capfd.readouterr()
+    for rank in (0, 1):
+        assert f"rank {rank} says hello on stdout" in captured.out, captured
+        assert f"rank {rank} says hello on stderr" in captured.err, captured
