@@ -37,7 +37,7 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core", "mbridge", "transforme
 _ctx = None
 
 
-def _context():
+def context():
     """The forkserver context, its preload set on first use (the server starts with the first rank).
     Where CUDA is present, spawn as before: a module that asks for the device count at import starts
     the CUDA driver in the fork server, and CUDA does not survive a fork."""
@@ -95,15 +95,24 @@ def _take_stdio(fds: tuple[int, int]) -> None:
         os.close(fd)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue,
-            environ: dict[str, str] | None = None, stdio: tuple[int, int] | None = None) -> None:
+def _as_caller(environ: dict[str, str], stdio: tuple[int, int] | None, target: Callable, *args) -> None:
+    """In the new process: take the caller's environment and output, then run target(*args)."""
     if stdio is not None:
         _take_stdio(stdio)
-    if environ is not None:  # the caller's environment now, not the fork server's at its start
-        os.environ.clear()
-        os.environ.update(environ)
-        if "OMP_NUM_THREADS" in environ:  # read by the OpenMP runtime when torch was imported
-            torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    os.environ.clear()  # the caller's environment now, not the fork server's at its start
+    os.environ.update(environ)
+    if "OMP_NUM_THREADS" in environ:  # read by the OpenMP runtime when torch was imported
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    target(*args)
+
+
+def process(target: Callable, *args: Any):
+    """An unstarted process running target(*args) as a spawned one would (module-level `target`):
+    forked from the fork server without CUDA, spawned with it. Its queues: `context().Queue()`."""
+    return context().Process(target=_as_caller, args=(dict(os.environ), _stdio(), target, *args), daemon=False)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -157,14 +166,9 @@ class _PortTaken(Exception):
 
 
 def _run_once(fn: Callable, world_size: int, args: tuple, timeout: float) -> list[Any]:
-    ctx = _context()
-    queue = ctx.Queue()
+    queue = context().Queue()
     port = 0 if world_size == 1 else free_port()  # a group of one: its store binds any free port
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, dict(os.environ), _stdio()),
-                    daemon=False)
-        for r in range(world_size)
-    ]
+    procs = [process(_worker, r, world_size, port, fn, args, queue) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

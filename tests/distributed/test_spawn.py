@@ -55,7 +55,7 @@ def test_forked_ranks_see_the_callers_environment_folder_and_output(monkeypatch,
     assert spawn.run_distributed(_sum_ranks, 2, timeout=120) == [1.0, 1.0]  # the fork server runs now
     if torch.cuda.is_available():
         pytest.skip("with CUDA, ranks are spawned (tested above)")
-    assert spawn._context().get_start_method() == "forkserver"
+    assert spawn.context().get_start_method() == "forkserver"
     # Changed after the fork server started: a rank must still see them.
     monkeypatch.setenv("MRL_SPAWN_PROBE", "now")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -198,14 +198,16 @@ def _child(fn: Callable, args: tuple, queue) -> None:
 
 
 def run_isolated(fn: Callable, *args: Any, timeout: float = 600.0) -> Any:
-    """fn(*args) in a fresh spawned process; its return value (torch.save-able) comes back, its
-    exception is re-raised here with the child's traceback. `fn` must be a module-level function."""
+    """fn(*args) in a fresh process (spawned on CUDA; on CPU, the dry run, forked from the fork server
+    of megatron_rl.distributed.spawn, which imported torch and megatron-core once); its return value
+    (torch.save-able) comes back, its exception is re-raised here with the child's traceback. `fn`
+    must be a module-level function."""
     import torch
-    import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, queue))
+    from megatron_rl.distributed import spawn
+
+    queue = spawn.context().Queue()
+    proc = spawn.process(_child, fn, args, queue)
     proc.start()
     deadline = time.monotonic() + timeout
     try:
