@@ -78,7 +78,10 @@ class _Fd:
 
 
 def _stdio() -> tuple[_Fd, _Fd] | None:
-    """This process's stdout and stderr for a rank, when both are open (a daemon may have neither)."""
+    """This process's stdout and stderr for a forked rank, when both are open (a daemon may have
+    neither). A spawned rank inherits them."""
+    if context().get_start_method() != "forkserver":
+        return None
     try:
         os.fstat(1), os.fstat(2)
     except OSError:
@@ -90,9 +93,10 @@ def _take_stdio(fds: tuple[int, int]) -> None:
     import sys
 
     for stream, target, fd in ((sys.stdout, 1, fds[0]), (sys.stderr, 2, fds[1])):
-        stream.flush()
-        os.dup2(fd, target)
-        os.close(fd)
+        if fd != target:
+            stream.flush()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
 def _as_caller(environ: dict[str, str], stdio: tuple[int, int] | None, target: Callable, *args) -> None:

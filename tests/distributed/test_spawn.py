@@ -51,11 +51,16 @@ def _report(rank, world_size):
 
 
 @pytest.mark.slow
-def test_forked_ranks_see_the_callers_environment_folder_and_output(monkeypatch, tmp_path, capfd):
-    assert spawn.run_distributed(_sum_ranks, 2, timeout=120) == [1.0, 1.0]  # the fork server runs now
-    if torch.cuda.is_available():
-        pytest.skip("with CUDA, ranks are spawned (tested above)")
-    assert spawn.context().get_start_method() == "forkserver"
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_folder_and_output(monkeypatch, tmp_path, capfd, method):
+    """forkserver: the CPU path (the server already running when the caller changes); spawn: the path
+    with CUDA (the GPU suite's run_isolated), forced here."""
+    if method == "spawn":
+        monkeypatch.setattr(spawn, "_ctx", torch.multiprocessing.get_context("spawn"))
+    assert spawn.run_distributed(_sum_ranks, 2, timeout=120) == [1.0, 1.0]  # a fork server runs now
+    if method == "forkserver" and torch.cuda.is_available():
+        pytest.skip("with CUDA, ranks are spawned (the spawn case)")
+    assert spawn.context().get_start_method() == method
     # Changed after the fork server started: a rank must still see them.
     monkeypatch.setenv("MRL_SPAWN_PROBE", "now")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -64,7 +69,8 @@ def test_forked_ranks_see_the_callers_environment_folder_and_output(monkeypatch,
     out = spawn.run_distributed(_report, 2, timeout=120)
     assert [r["rank_env"] for r in out] == ["0", "1"]
     assert all(r["probe"] == "now" and r["cwd"] == str(tmp_path) and r["threads"] == 1 for r in out), out
-    assert all(r["preloaded"] for r in out)  # forked from the server that imported it
+    if method == "forkserver":
+        assert all(r["preloaded"] for r in out)  # forked from the server that imported it
     captured = capfd.readouterr()
     for rank in (0, 1):
         assert f"rank {rank} says hello on stdout" in captured.out, captured
