@@ -8,7 +8,8 @@ rank; wait; requeue; resume in the same run dir) in seconds and independently of
 
 Given server URLs, every rank first asks each server for a few tokens (POST /generate) and writes
 what came back to <out_dir>/rollout-rank<R>.json. Then each "step" sleeps STEP_S; rank 0 appends
-{"step", "attempt"} to <out_dir>/metrics.jsonl. On
+{"step", "attempt"} to <out_dir>/metrics.jsonl; a step ends when every rank has done it
+(`progress-rank<R>-attempt<N>`), as collectives would make it. On
 SIGUSR1 or SIGTERM a rank finishes its step, rank 0 writes <out_dir>/checkpoints/latest (the
 step reached), every rank records `preempted-rank<R>-attempt<N>` and exits 0. On start it resumes
 from checkpoints/latest. Ranks come from Slurm's variables, as the trainer reads them.
@@ -70,6 +71,7 @@ def main(argv: list[str]) -> int:
         while not all(p.exists() for p in others) and time.monotonic() < deadline:
             time.sleep(0.05)
     start = step
+    peers = [out / f"progress-rank{r}-attempt{attempt}" for r in range(int(os.environ["SLURM_NTASKS"])) if r != rank]
     while step < steps:
         time.sleep(STEP_S)
         step += 1
@@ -81,6 +83,17 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "attempt": attempt}) + "\n")
+        # A step ends when every rank has done it, as the trainer's collectives make it: a rank never
+        # runs past a peer that failed (it waits for srun's SIGTERM), so it cannot finish the run
+        # while another rank's failure is being reported.
+        done = out / f"progress-rank{rank}-attempt{attempt}"
+        done.with_suffix(".tmp").write_text(str(step))
+        done.with_suffix(".tmp").replace(done)
+        deadline = time.monotonic() + 120
+        while not stop and not all(p.exists() and int(p.read_text() or 0) >= step for p in peers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {rank}: the other ranks did not finish step {step} in 120 s")
+            time.sleep(0.02)
         if stop:
             if rank == 0:
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
