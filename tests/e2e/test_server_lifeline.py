@@ -17,10 +17,13 @@ import pytest
 pytestmark = pytest.mark.slow
 
 CHILD = textwrap.dedent("""
-    import signal, sys, time
+    import os, signal, sys, time
     from megatron_rl.rollout.lifeline import exit_with_parent
     def term(*_):
-        open(sys.argv[1], "w").write("SIGTERM")
+        # whole or not at all: the test reads the flag as soon as it exists
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write("SIGTERM")
+        os.replace(sys.argv[1] + ".tmp", sys.argv[1])
         sys.exit(0)
     signal.signal(signal.SIGTERM, term)
     exit_with_parent(poll_s=0.05)
