@@ -105,8 +105,8 @@ def _as_caller(environ: dict[str, str], stdio: tuple[int, int] | None, target: C
         _take_stdio(stdio)
     os.environ.clear()  # the caller's environment now, not the fork server's at its start
     os.environ.update(environ)
-    if "OMP_NUM_THREADS" in environ:  # read by the OpenMP runtime when torch was imported
-        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    if environ.get("OMP_NUM_THREADS", "").isdigit():  # read by the OpenMP runtime when torch was imported
+        torch.set_num_threads(max(1, int(environ["OMP_NUM_THREADS"])))
     target(*args)
 
 
