@@ -38,7 +38,8 @@ holds one server; beside one that takes EVAL_SHARE of every server's KV pool as 
 and the share mode as built (rollout/evaluation.py): training's budget set to 1 - EVAL_SHARE and
 the evaluation's to EVAL_SHARE with `FleetBudget.set_share`, the evaluation's following the room
 training leaves (`follow_training`, synchronous training: the tail of the step, the learner's
-time), the next push waiting for it. A step there is its generation, the learner's time L and
+time) by `FleetBudget.grow` (a ramp in that room), the next push waiting for it; and the same
+requests with that room at the steady state's slots of the share (the rule before `grow`). A step there is its generation, the learner's time L and
 the wait at the push: max(generation + L, evaluation), against generation + L alone; reported for
 L = 0 (no learner time: the worst case), 0.35 (the 2 + 1 layout of docs/cluster.md: 260 s of
 learner time per 500-770 s of generation), 0.5 and 1 x the generation time of a step alone (the
@@ -47,7 +48,9 @@ Reported per round: wall time, slots per server, KV use (token-seconds over pool
 round) and KV full (the same while requests waited to be admitted anywhere, past the first median
 response time, in which any rule's cache fills from empty at decode speed), decoded tokens per
 server (max/min), the most requests running and queued in one server, retractions, the clients'
-retries and servers marked down (all healthy here: any is a false alarm). Times are scaled: `rate`
+retries and servers marked down (all healthy here: any is a false alarm); in `--json`, each
+server's timeline (every TIMELINE_S: training's and the evaluation's requests running and queued
+in it, and its KV in use). Times are scaled: `rate`
 tokens/s per sequence stands for SGLang's tens; ratios between designs are what carries over, on
 a machine whose cores keep up with the clients (on a loaded one, slots wait for the client to
 refill them and every figure falls).
@@ -96,11 +99,15 @@ INIT_RATIO, MIN_RATIO, DECAY_STEPS = 0.7, 0.7 * 0.14, 600  # SGLang's new_token_
 TICK_S = 0.05  # the stand-in's scheduler steps this often
 
 
-class Req:
-    __slots__ = ("length", "done", "future", "since")
+EVAL_PRODUCER = 1000  # the producer id an evaluation's prompts carry (its requests are told apart by it)
+TIMELINE_S = 1.0  # a server's timeline samples this often
 
-    def __init__(self, length: int, future):
-        self.length, self.done, self.future, self.since = length, 0.0, future, 0.0
+
+class Req:
+    __slots__ = ("length", "done", "future", "since", "eval")
+
+    def __init__(self, length: int, future, evaluation: bool = False):
+        self.length, self.done, self.future, self.since, self.eval = length, 0.0, future, 0.0, evaluation
 
 
 def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new: int) -> None:
@@ -128,6 +135,8 @@ def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new
             self.kv_ts = 0.0  # KV token-seconds in use
             self.round_start, self.kv_at_start = time.monotonic(), 0.0
             self.kv_sat = self.sat_s = 0.0  # KV token-seconds and seconds while work waits
+            self.timeline: list[list] = []  # [s into the round, running training / eval, queued training / eval, KV]
+            self.sampled = 0.0
 
         def used(self) -> float:
             return sum(prompt + r.done for r in self.running)
@@ -182,13 +191,18 @@ def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new
                     self.ratio = INIT_RATIO  # idle: SGLang resets the ratio
                 self.reserved = sum(map(self.reserve, self.running))
                 self.admit()
+                if now - self.sampled >= TIMELINE_S:
+                    self.sampled = now
+                    ev, wev = sum(r.eval for r in self.running), sum(r.eval for r in self.waiting)
+                    self.timeline.append([round(now - self.round_start, 2), len(self.running) - ev, ev,
+                                          len(self.waiting) - wev, wev, round(self.used() / pool, 3)])
 
         async def generate(self, request):
             req = await request.json()
             ids = req["input_ids"]
             j = int(req["rid"].rsplit("-", 3)[2])
             L = length(max_new, ids[0], ids[1] + 100_000 * ids[2], j)
-            r = Req(L, asyncio.get_running_loop().create_future())
+            r = Req(L, asyncio.get_running_loop().create_future(), ids[0] >= EVAL_PRODUCER)
             ROUND["arrived"] += 1
             self.waiting.append(r)
             self.admit()
@@ -214,13 +228,15 @@ def serve(n: int, pool: int, max_running: int, prompt: int, rate: float, max_new
         def stats(self) -> dict:
             return dict(tokens=self.tokens, requests=self.requests, busy=self.busy, max_running=self.max_running,
                         max_waiting=self.max_waiting, retracted=self.retracted,
-                        kv_round=self.kv_ts - self.kv_at_start, kv_sat=self.kv_sat, sat_s=self.sat_s)
+                        kv_round=self.kv_ts - self.kv_at_start, kv_sat=self.kv_sat, sat_s=self.sat_s,
+                        timeline=self.timeline)
 
         def reset(self) -> None:
             self.max_running, self.max_waiting = len(self.running), len(self.waiting)
             self.round_start, self.kv_at_start = time.monotonic(), self.kv_ts
             self.kv_sat = self.sat_s = 0.0
             self.retracted = 0
+            self.timeline = []
 
     ROUND = dict(total=0, arrived=0)  # the round's requests, and those sent to any server so far
     ramp_s = max_new / 4 / rate  # a median response: the time a cache takes to fill from empty
@@ -362,7 +378,7 @@ def round_stats(fleet: Fleet, urls: list[str], wall: float, shape: dict, done: l
                 kv_use=sum(x["kv_round"] for x in xs) / (len(xs) * shape["pool"] * wall),
                 kv_fill=sum(x["kv_sat"] for x in xs) / (shape["pool"] * sat_s) if sat_s > 0 else 0.0,
                 max_running=max(x["max_running"] for x in xs), max_waiting=max(x["max_waiting"] for x in xs),
-                retracted=sum(x["retracted"] for x in xs),
+                retracted=sum(x["retracted"] for x in xs), timeline=[x["timeline"] for x in xs],
                 retries=sum(d["retries"] for d in done), down=sum(d["down"] for d in done))
 
 
@@ -419,7 +435,7 @@ def four_servers(shape: dict, rate: float, store, ramp_only: bool = False) -> di
         # An evaluation beside training on one whole server (eval.servers=1): training on the rest.
         (eb,) = budgets("follow", shape, urls[-1:], store, "beside-eval", 1)
         res["beside"], ev = training(fleet, urls[:-1], bs, shape, 3, shape["prompts"],
-                                     [dict(urls=urls[-1:], budget=eb, producer=1000, step=3, prompts=ep, samples=ek)])
+                                     [dict(urls=urls[-1:], budget=eb, producer=EVAL_PRODUCER, step=3, prompts=ep, samples=ek)])
         res["beside"]["eval_wall"] = ev[0]["done"]
     finally:
         fleet.close()
@@ -428,10 +444,7 @@ def four_servers(shape: dict, rate: float, store, ramp_only: bool = False) -> di
 
 def two_servers(shape: dict, rate: float, store) -> dict:
     """One rollout node: a step alone, and beside an evaluation held on one server, on a fixed
-    share of each, and in the share mode as built."""
-    from megatron_rl.rollout.admission import FleetBudget, ServerKV, derived_capacity
-    from megatron_rl.rollout.evaluation import follow_training
-
+    share of each, and in the share mode as built (and with its added room at steady slots)."""
     P = shape["producers"]
     ep, ek = shape["eval"]
     res = {}
@@ -448,43 +461,66 @@ def two_servers(shape: dict, rate: float, store) -> dict:
         (eb,) = budgets("follow", shape, u2[-1:], store, "two-hold-eval", 1)
         eb.observe(*_lengths(shape, 1, half))
         res["two hold"], ev = training(two, u2[:-1], bs, shape, 3, half,
-                                       [dict(urls=u2[-1:], budget=eb, producer=1000, step=3, prompts=ep, samples=ek)])
+                                       [dict(urls=u2[-1:], budget=eb, producer=EVAL_PRODUCER, step=3, prompts=ep, samples=ek)])
         res["two hold"]["eval_wall"] = ev[0]["done"]
         train = budgets("follow", shape, u2, store, "two-share-train", P, share=1 - EVAL_SHARE)
         (eb,) = budgets("follow", shape, u2, store, "two-share-eval", 1, share=EVAL_SHARE)
         for b in (train[0], eb):
             b.observe(*_lengths(shape, 1, half))
         res["two share"], ev = training(two, u2, train, shape, 4, half,
-                                        [dict(urls=u2, budget=eb, producer=1000, step=4, prompts=ep, samples=ek)])
+                                        [dict(urls=u2, budget=eb, producer=EVAL_PRODUCER, step=4, prompts=ep, samples=ek)])
         res["two share"]["eval_wall"] = ev[0]["done"]
         # The share mode as built (rollout/evaluation.py BesideTraining): one training budget of
         # the whole pool set to 1 - EVAL_SHARE for the evaluation's time, the evaluation's own at
-        # EVAL_SHARE, raised to the whole room once the step's generation is done.
-        train = budgets("follow", shape, u2, store, "two-built-train", P)
-        info = {"max_total_num_tokens": shape["pool"], "max_running_requests": shape["max_running"]}
-        eb = FleetBudget.local(derived_capacity(info, shape["max_new"]), kv={u: ServerKV.from_info(info) for u in u2})
-        train[0].observe(*_lengths(shape, 1, half))
-        eb.observe(*_lengths(shape, 1, half))
-        control = train[0].clone()
-        control.set_share(1 - EVAL_SHARE)
-        eb.set_share(EVAL_SHARE)
-        train[0].loads(u2)  # (its caps follow the share at its next take)
-        slots = (train[0].cap(u2[0]), eb.cap(u2[0]))
-        generated, stop = threading.Event(), threading.Event()
-        follower = threading.Thread(target=follow_training, daemon=True,
-                                    args=(eb.clone(), train[0].clone(), u2, EVAL_SHARE, lambda: not stop.is_set(),
-                                          generated.is_set))
-        follower.start()
-        res["two built"], ev = training(two, u2, train, shape, 5, half,
-                                        [dict(urls=u2, budget=eb.clone(), producer=1000, step=5, prompts=ep, samples=ek)],
-                                        then=generated.set)
-        stop.set()
-        follower.join()
-        control.set_share(1.0)
-        res["two built"]["eval_wall"] = ev[0]["done"]
-        res["two built"]["slots"] = f"{slots[0]}+{slots[1]}"
+        # EVAL_SHARE, growing into the room training's tail leaves (`FleetBudget.grow`: a ramp
+        # there); and the same requests with that room at the steady state's slots (the rule before).
+        for key, grow in (("two built", True), ("two built steady", False)):
+            res[key] = share_mode(two, shape, store, key, half, grow)
     finally:
         two.close()
+    return res
+
+
+def share_mode(two: Fleet, shape: dict, store, name: str, prompts: int, grow: bool) -> dict:
+    """A step of `prompts` beside the evaluation in the share mode on the two servers of `two`:
+    the evaluation's added room taken by `grow` (as built) or at the steady state's slots."""
+    from megatron_rl.rollout.admission import FleetBudget, ServerKV, derived_capacity
+    from megatron_rl.rollout.evaluation import follow_training
+
+    P, u2 = shape["producers"], two.urls
+    ep, ek = shape["eval"]
+    train = budgets("follow", shape, u2, store, name.replace(" ", "-") + "-train", P)
+    info = {"max_total_num_tokens": shape["pool"], "max_running_requests": shape["max_running"]}
+    eb = FleetBudget.local(derived_capacity(info, shape["max_new"]), kv={u: ServerKV.from_info(info) for u in u2})
+    train[0].observe(*_lengths(shape, 1, prompts))
+    eb.observe(*_lengths(shape, 1, prompts))
+    control = train[0].clone()
+    control.set_share(1 - EVAL_SHARE)
+    eb.set_share(EVAL_SHARE)
+    train[0].loads(u2)  # (its caps follow the share at its next take)
+    slots = (train[0].cap(u2[0]), eb.cap(u2[0]))
+
+    class SteadySlots:  # the added room at the steady state's slots of the share
+        def __init__(self, budget):
+            self.budget = budget
+
+        def grow(self, share, urls):
+            self.budget.set_share(share)
+
+    follows = eb.clone() if grow else SteadySlots(eb.clone())
+    generated, stop = threading.Event(), threading.Event()
+    follower = threading.Thread(target=follow_training, daemon=True,
+                                args=(follows, train[0].clone(), u2, EVAL_SHARE, lambda: not stop.is_set(),
+                                      generated.is_set))
+    follower.start()
+    res, ev = training(two, u2, train, shape, 5, prompts,
+                       [dict(urls=u2, budget=eb.clone(), producer=EVAL_PRODUCER, step=5, prompts=ep, samples=ek)],
+                       then=generated.set)
+    stop.set()
+    follower.join()
+    control.set_share(1.0)
+    res["eval_wall"] = ev[0]["done"]
+    res["slots"] = f"{slots[0]}+{slots[1]}"
     return res
 
 
@@ -510,7 +546,8 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
             (f"following, eval beside on 1 of {shape['servers']}", "beside"),
             ("2 servers: training alone", "two alone"), ("2 servers: eval holds 1 server", "two hold"),
             (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share"),
-            (f"2 servers: eval.share={EVAL_SHARE:g} (built)", "two built")]
+            (f"2 servers: eval.share={EVAL_SHARE:g} (built)", "two built"),
+            ("  the same, added room at steady slots", "two built steady")]
     for label, key in rows:
         if key not in res:
             continue
@@ -529,16 +566,21 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
     print(f"2 servers, the generation of a step beside an evaluation: {res['two hold']['wall'] / a:.2f}x (eval holds "
           f"1 server), {res['two share']['wall'] / a:.2f}x (eval {EVAL_SHARE:.0%} of every KV pool), "
           f"{res['two built']['wall'] / a:.2f}x (eval.share={EVAL_SHARE:g} as built) of one without")
-    for r in (res["two hold"], res["two built"]):
-        r["step_ratio"] = {}
+    shares = [k for k in ("two built", "two built steady") if k in res]
+    for k in ("two hold", *shares):
+        res[k]["step_ratio"] = {}
     for frac in (0.0, 0.35, 0.5, 1.0):  # the learner's time L, as a share of a step's generation alone
         L = frac * a
         hold = (res["two hold"]["wall"] + L) / (a + L)  # the held server's evaluation never delays a push
-        built = max(res["two built"]["wall"] + L, res["two built"]["eval_wall"]) / (a + L)
-        res["two hold"]["step_ratio"][frac], res["two built"]["step_ratio"][frac] = hold, built
-        print(f"  a whole step (generation + learner L = {frac:g} x {a:.1f} s + the push's wait for the evaluation): "
-              f"{hold:.2f}x holding 1 server, {built:.2f}x eval.share={EVAL_SHARE:g} "
-              f"(push waits {max(0.0, res['two built']['eval_wall'] - res['two built']['wall'] - L):.1f} s)")
+        res["two hold"]["step_ratio"][frac] = hold
+        line = f"  a whole step (generation + learner L = {frac:g} x {a:.1f} s + the push's wait for the evaluation): " \
+               f"{hold:.3f}x holding 1 server"
+        for k in shares:
+            r = res[k]
+            res[k]["step_ratio"][frac] = max(r["wall"] + L, r["eval_wall"]) / (a + L)
+            line += (f", {res[k]['step_ratio'][frac]:.3f}x eval.share={EVAL_SHARE:g}" + (" (added room at steady slots)"
+                     if k.endswith("steady") else "") + f" (push waits {max(0.0, r['eval_wall'] - r['wall'] - L):.1f} s)")
+        print(line)
 
 
 def main() -> None:

@@ -96,8 +96,13 @@ follow it at its next take: a budget at share s computes its caps on s x the KV 
 s x max_running_requests (fixed slots: s x the slots), at least 1 each. Training at 1 - f and the
 evaluation at f together never pass a server's pool (to the floors), so neither makes the other
 queue in SGLang; when a share falls, nothing is cancelled: the server takes no new request of that
-budget until its count is under the new cap. (The evaluation's share also grows into the room
-training leaves at the end of its step: rollout/evaluation.py `follow_training`.)
+budget until its count is under the new cap. The evaluation's share also grows into the room
+training leaves at the end of its step (rollout/evaluation.py `Follower`), by `FleetBudget.grow`:
+that room is empty as it is given, so the server's slots follow a step's `ramp` again, over the
+whole new share, with the requests the evaluation already runs there in the model at the steady
+state's ages (`steady_requests_later`). At the steady state's count instead, the room stays part
+empty while its first requests are young: bench_fleet's evaluation beside training ended 4 % later
+that way (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -303,14 +308,21 @@ class Ramp:
         return self.caps[t] if t < len(self.caps) else self.steady
 
 
-def ramp(kv: ServerKV, stats: LengthStats, target: float = RAMP_TARGET, z: float = KV_Z) -> Ramp:
+def ramp(kv: ServerKV, stats: LengthStats, target: float = RAMP_TARGET, z: float = KV_Z,
+         held: float = 0.0) -> Ramp:
     """The slots of a server whose cache starts empty, by a fluid model of its first wave
     (benchmarks/sim_kv_ramp.py, "schedule by ends"): on a grid of RAMP_TICKS ticks over the longest
     response seen, a request of age x holds g(x) = p + x tokens with probability S(x) (the
     histogram's survival; p the prompt, weighed by the response as in `kv_per_request`); at each
     tick admit the most requests whose expected KV, added to that of all admitted before, stays
     under target x pool at every future tick, at most max_running_requests running. The ramp lasts
-    one longest response; `steady` after it."""
+    one longest response; `steady` after it.
+
+    `held`: requests already running as the clock starts, at the steady state's ages (a share of
+    the server held before `FleetBudget.grow` added room), each still running t later with
+    probability R(t) and holding H(t) tokens (`steady_requests_later`): their expected KV is in
+    the model from the start, their ends on its clock, and they count against
+    max_running_requests and in the caps while they run."""
     import numpy as np
 
     steady = kv_capacity(kv, stats, z)
@@ -319,23 +331,43 @@ def ramp(kv: ServerKV, stats: LengthStats, target: float = RAMP_TARGET, z: float
         return Ramp((), (), steady)
     dt = max(1.0, longest / RAMP_TICKS)
     K = math.ceil(longest / dt)  # ages 0 .. (K - 1) dt, short of the longest
-    S = stats.survival(np.arange(K) * dt)
+    ages = np.arange(K) * dt
+    S = stats.survival(ages)
     prompt = stats.pl / stats.l1 if stats.l1 else 0.0
-    g = (prompt + np.arange(K) * dt) * S
+    g = (prompt + ages) * S
     live = g > 0
     limit = target * kv.pool
     max_running = kv.max_running or float("inf")
     admitted = np.zeros(K)
     future = np.zeros(2 * K)
+    R = np.zeros(K)
+    if held > 0:
+        R, H = steady_requests_later(S, ages, prompt)
+        future[:K] += held * H
     caps, ended = [], []
     for t in range(K):
-        running = float(admitted[:t] @ S[t - np.arange(t)]) if t else 0.0
+        running = (float(admitted[:t] @ S[t - np.arange(t)]) if t else 0.0) + held * R[t]
         room = float(((limit - future[t:t + K])[live] / g[live]).min()) if live.any() else 0.0
         admitted[t] = max(0.0, min(math.floor(room), max_running - running))
         future[t:t + K] += admitted[t] * g
-        ended.append(float(admitted[:t].sum()) - running)
+        ended.append(float(admitted[:t].sum()) + held - running)
         caps.append(max(1, int(running + admitted[t])))
     return Ramp(tuple(caps), tuple(ended), steady)
+
+
+def steady_requests_later(S, ages, prompt: float):
+    """For a request running at a random moment of a slot refilled at once (drawn size-biased by
+    its length, uniformly far through it: `kv_per_request`), on the evenly spaced `ages` grid
+    (from 0) with the lengths' survival S there: (R, H), the probability that it still runs t
+    later and the tokens it is expected to hold then (0 once ended): R(t) = int_t S / E[l],
+    H(t) = ((p + t) int_t S + int_t (x - t) S(x) dx) / E[l] (H(0) = E[c]); the integrals by the
+    grid's sums from t on."""
+    import numpy as np
+
+    dt = float(ages[1] - ages[0]) if len(ages) > 1 else 1.0
+    tail = np.cumsum(S[::-1])[::-1] * dt
+    tail_x = np.cumsum((ages * S)[::-1])[::-1] * dt
+    return tail / tail[0], ((prompt + ages) * tail + tail_x - ages * tail) / tail[0]
 
 
 class FleetBudget:
@@ -367,6 +399,7 @@ class FleetBudget:
         self._ramps: dict[str, Ramp] = {}
         self._clock: dict[str, int] = {}  # requests ended on each server since it was last empty
         self.share = 1.0
+        self.held: Optional[float] = None  # after `grow`: the share held before it
 
     @classmethod
     def local(cls, capacity: int | Mapping[str, int], kv: Optional[Mapping[str, ServerKV]] = None) -> "FleetBudget":
@@ -404,11 +437,14 @@ class FleetBudget:
 
     def _follow(self, text: bytes, share: bytes) -> None:
         """The caps of the statistics `text` at the share `share` (recomputed only when either
-        changed)."""
+        changed). The share's value is "s", or "s b" after `grow`: s of each server, of which b was
+        held before the rest was added."""
         if (text, share) == self._seen:
             return
         self._seen = (text, share)
-        self.share = float(share.decode() if isinstance(share, bytes) else share)
+        parts = (share.decode() if isinstance(share, bytes) else str(share)).split()
+        self.share = float(parts[0])
+        self.held = float(parts[1]) if len(parts) > 1 else None
         if self.kv is None:
             return
         stats = LengthStats.from_json(text.decode() if isinstance(text, bytes) else text)
@@ -417,18 +453,52 @@ class FleetBudget:
             each: dict[ServerKV, Ramp] = {}  # servers alike share one (a few ms each)
             for u, k in self.kv.items():
                 if k.pool:
-                    room = k.scaled(self.share)
-                    if room not in each:
-                        each[room] = ramp(room, stats) if self.ramps else Ramp((), (), kv_capacity(room, stats))
-                    self._ramps[u] = each[room]
+                    if k not in each:
+                        each[k] = self._ramp(k, stats)
+                    self._ramps[u] = each[k]
+
+    def _ramp(self, kv: ServerKV, stats: LengthStats) -> Ramp:
+        """A server's slots at this budget's share: its ramp (or, without ramps, the steady
+        state's); after `grow`, the ramp of the whole share with the held share's steady-state
+        requests running as its clock starts."""
+        room = kv.scaled(self.share)
+        if not self.ramps:
+            return Ramp((), (), kv_capacity(room, stats))
+        if self.held is None:
+            return ramp(room, stats)
+        if self.held >= self.share:  # grown, then back to no more than was held: nothing is empty
+            return Ramp((), (), kv_capacity(room, stats))
+        return ramp(room, stats, held=kv_capacity(kv.scaled(self.held), stats))
 
     def set_share(self, share: float) -> None:
         """From now on every client of this budget (any producer's) takes at most `share` of each
         server's room (module docstring); 1: all of it."""
         if not 0 < share <= 1:
             raise ValueError(f"share {share}: a fraction of each server, more than 0 and at most 1")
+        self._set_share(repr(float(share)).encode())
+
+    def grow(self, share: float, urls: Sequence[str]) -> None:
+        """`share` of each of `urls`, as `set_share`, where the room this budget gains is empty
+        now: another budget's requests have left it (an evaluation beside training taking the room
+        training's step leaves, rollout/evaluation.py `Follower`). Empty room fills as a
+        step's cache does, its first requests young and holding little, so a server's slots follow
+        a `ramp` of the whole share again, its clock restarted at the first `grow`, with the
+        requests of the share held before it (its steady state's slots) running, at the steady
+        state's ages, as the clock starts. Later calls, more or less, keep that held share and the
+        clock. `set_share` ends it."""
+        if not 0 < share <= 1:
+            raise ValueError(f"share {share}: a fraction of each server, more than 0 and at most 1")
+        self.loads(list(urls))  # the keys exist, and this budget's caps are the store's
+        if self.held is None and share <= self.share:
+            return self.set_share(share)  # nothing added
+        first, held = self.held is None, self.share if self.held is None else self.held
+        self._set_share(f"{float(share)!r} {held!r}".encode())
+        if first and self.kv is not None:
+            for u in dict.fromkeys(urls):
+                self._restart_clock(u)
+
+    def _set_share(self, new: bytes) -> None:
         self.loads([])  # the key exists
-        new = repr(float(share)).encode()
         old = self.store.multi_get([self._share_key])[0]
         while old != new:  # compare-and-set: TCPStore's and LocalCounts' one way to replace a value
             old = self.store.compare_set(self._share_key, old, new)

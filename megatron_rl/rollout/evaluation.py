@@ -24,11 +24,12 @@ for the evaluation (`before_push`, in Fleet.sync_weights before anything is sent
 partial-rollout pause; eval.timeout bounds it: what did not finish is aborted and counted). An
 evaluation that ends within the step costs training f of the room for that long and no wait; a
 longer one makes that push wait. To fit it in the step, with synchronous training
-(trainer.max_staleness=0) the evaluation takes the room training leaves (`follow_training`):
-once the step's requests are all admitted training's slots only fall, and nothing of training's
-reaches a server before the push, so the tail of the step (a cache emptying as its last responses
-finish), the learner's time (log-probs, the update) and any wait at the push are the
-evaluation's. Asynchronously the producer may send at any time, so the evaluation keeps f
+(trainer.max_staleness=0) the evaluation takes the room training leaves (`Follower`): once the
+step's requests are all admitted training's slots only fall, and nothing of training's reaches a
+server before the push, so the tail of the step (a cache emptying as its last responses finish),
+the learner's time (log-probs, the update) and any wait at the push are the evaluation's. That
+room is empty as the evaluation takes it, so its slots there follow a step's ramp
+(`FleetBudget.grow`), not the steady state's count. Asynchronously the producer may send at any time, so the evaluation keeps f
 throughout. Fleet.sync_weights reports `time/eval_wait` (what the push waited) and
 `weight_sync/groups_formed` with eval.servers > 0.
 
@@ -97,30 +98,49 @@ def beside_share(servers: int, fleet: int, share: Optional[float]) -> float:
 
 def follow_training(evaluation, training, servers: list[str], share: float, running, generated,
                     every_s: float = WATCH_S, tail_kv: float = TAIL_KV) -> None:
-    """Synchronous training, share mode, while `running()`: the evaluation's budget takes `share`
-    of every server while training's requests fill its own (1 - share), and what training leaves
-    once its step's requests are all admitted: 1 - the largest share of a server training's slots
-    take, each counted `tail_kv` times (the tail's requests are its longest), at least `share`.
-    Training's slots only fall from then on, as its step's last responses finish (synchronously
-    nothing of training's is sent until the next push, which waits for the evaluation), so the room
-    given to the evaluation is room training has no use for: the tail of its step, the learner's
-    time, the wait at the push. Until training has filled its room on a server (its step's
-    requests still arriving: a ramp, not a tail) or its generation is over (`generated()`), the
-    evaluation keeps `share`. DAPO's dynamic sampling is the exception: a further round's requests
-    find the room the evaluation took and may queue in SGLang behind its requests, at most one
-    response long."""
-    seen, current = False, share
+    """Synchronous training, share mode, while `running()`: every `every_s`, the evaluation's
+    budget takes the share of every server `Follower` gives."""
+    look = Follower(evaluation, training, servers, share, generated, tail_kv)
     while running():
-        loads = training.loads(servers)
-        seen = seen or any(n >= training.cap(u) for n, u in zip(loads, servers)) or generated()
-        if seen:
-            held = max(n / training.cap(u) for n, u in zip(loads, servers)) * training.share
-            held = held if held >= training.share else min(training.share, tail_kv * held)
-            want = min(1.0, max(share, 1.0 - held))
-            if abs(want - current) >= 0.01 or (want == 1.0 and current < 1.0):
-                evaluation.set_share(want)
-                current = want
+        look()
         time.sleep(every_s)
+
+
+class Follower:
+    """One look each call: the evaluation's budget takes `share` of every server while training's
+    requests fill its own (1 - share), and what training leaves once its step's requests are all
+    admitted: 1 - the largest share of a server training's slots take, each counted `tail_kv`
+    times (the tail's requests are its longest), at least `share`. Training's slots only fall from
+    then on, as its step's last responses finish (synchronously nothing of training's is sent
+    until the next push, which waits for the evaluation), so the room given to the evaluation is
+    room training has no use for: the tail of its step, the learner's time, the wait at the push.
+    That room is empty as it is given, so the evaluation takes it with `FleetBudget.grow`: its
+    slots there follow a ramp, as a step's fill an empty cache (rollout/admission.py), not the
+    steady state's count, which would leave it part empty while its first requests are young.
+    Until training has filled its room on a server (its step's requests still arriving: a ramp,
+    not a tail) or its generation is over (`generated()`), the evaluation keeps `share`. DAPO's
+    dynamic sampling is the exception: a further round's requests find the room the evaluation
+    took and may queue in SGLang behind its requests, at most one response long."""
+
+    def __init__(self, evaluation, training, servers: list[str], share: float, generated,
+                 tail_kv: float = TAIL_KV):
+        self.evaluation, self.training, self.servers = evaluation, training, servers
+        self.share, self.generated, self.tail_kv = share, generated, tail_kv
+        self.seen, self.current = False, share
+
+    def __call__(self) -> float:
+        """Look at training's slots; the evaluation's share now."""
+        training, servers = self.training, self.servers
+        loads = training.loads(servers)
+        self.seen = self.seen or any(n >= training.cap(u) for n, u in zip(loads, servers)) or self.generated()
+        if self.seen:
+            held = max(n / training.cap(u) for n, u in zip(loads, servers)) * training.share
+            held = held if held >= training.share else min(training.share, self.tail_kv * held)
+            want = min(1.0, max(self.share, 1.0 - held))
+            if abs(want - self.current) >= 0.01 or (want == 1.0 and self.current < 1.0):
+                self.evaluation.grow(want, servers)
+                self.current = want
+        return self.current
 
 
 class BesideTraining:
@@ -133,6 +153,7 @@ class BesideTraining:
         self.share = 0.0  # of every server's room, for the running evaluation (0: whole servers)
         self.groups_formed = 0  # weight-update groups (transports) rank 0 formed
         self._thread: Optional[threading.Thread] = None
+        self._servers: list[str] = []  # where the running evaluation samples
         self._out: Optional[tuple] = None  # (step, metrics or None, error or None)
         self._started = self._ended = 0.0
         self._pushes = 0  # pushes made (every rank): the key of a push's wait for an evaluation
@@ -177,7 +198,7 @@ class BesideTraining:
                 return (f"{len(pushed_to)} server(s) hold these weights{why}; eval.servers={k} would "
                         "leave none to training")
             servers = hold = list(pushed_to[-k:])
-        self.hold, self.share, self._out = hold, share, None
+        self.hold, self.share, self._out, self._servers = hold, share, None, servers
         self._started = self._ended = time.monotonic()
         fleet._eval_budget.set_share(share or 1.0)
         training = None
@@ -258,8 +279,8 @@ class BesideTraining:
         takes the whole room meanwhile. The seconds waited."""
         if not self.share or not self.running():
             return 0.0
-        if self.fleet.cfg.trainer.max_staleness == 0:
-            self.fleet._eval_budget.set_share(1.0)
+        if self.fleet.cfg.trainer.max_staleness == 0:  # (room training's step has left: `Follower`)
+            self.fleet._eval_budget.grow(1.0, self._servers)
         t0 = time.monotonic()
         self._thread.join()
         return time.monotonic() - t0

@@ -152,3 +152,144 @@ def test_the_evaluation_takes_the_room_training_leaves_never_training_s_share():
     finally:
         stop.set()
         follower.join(10)
+
+
+def test_room_given_anew_fills_by_a_ramp_of_its_own():
+    """`grow` (an evaluation taking the room training's step leaves): a server's caps follow the
+    ramp of the whole new share with the held share's steady-state requests running as its clock
+    restarts, so the empty room takes more than the steady state of the whole share at first;
+    later calls keep the held share and the clock; past the ramp, the whole share's steady state;
+    `set_share` ends it. Every producer's budget sees it through a real c10d TCPStore."""
+    import math
+    import random
+
+    g = random.Random(1)
+    lengths = [max(1, min(16384, int(math.exp(math.log(4096) + 0.84 * g.gauss(0, 1))))) for _ in range(4000)]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    kv = ServerKV(2_000_000, 1024)
+    mine = FleetBudget(store, "fleet/e", 170, kv={"a": kv, "b": kv})
+    other = FleetBudget(store.clone(), "fleet/e", 170, kv={"a": kv, "b": kv})  # the evaluation's client
+    mine.observe([512] * len(lengths), lengths)
+    stats = mine.stats()
+    mine.set_share(0.2)
+    steady = {s: kv_capacity(kv.scaled(s), stats) for s in (0.2, 0.5, 0.9, 1.0)}
+    for u in ("a", "b"):  # the evaluation's requests run and end: its clocks far past its ramp
+        assert other.take([u]) == u  # (one runs throughout: an empty server restarts its ramp)
+        for _ in range(3000):
+            assert other.take([u]) == u
+            other.give(u)
+    taken = [other.take(["a", "b"]) for _ in range(1000)]
+    assert taken.count("a") == taken.count("b") == other.cap("a") - 1 == steady[0.2] - 1
+    mine.grow(0.5, ["a", "b"])  # training's tail left 0.3 of each server
+    other.loads(["a", "b"])
+    assert other.share == 0.5 and other.held == 0.2
+    after = {s: ramp(kv.scaled(s), stats, held=steady[0.2]) for s in (0.5, 0.9)}
+    first = after[0.5].cap(0)
+    assert other.cap("a") == other.cap("b") == first
+    # Between the steady state of the new share and the ramp of an empty server of that share.
+    assert steady[0.5] < first < ramp(kv.scaled(0.5), stats).cap(0)
+    assert [other.take(["a"]) for _ in range(1000)].count("a") == first - steady[0.2]
+    for _ in range(40):  # requests end: the ramp moves on
+        other.give("a")
+    mine.grow(0.9, ["a", "b"])  # more of it: the held share and the clock stay
+    other.loads(["a", "b"])
+    assert other.held == 0.2 and (other.cap("a"), other.cap("b")) == (after[0.9].cap(40), after[0.9].cap(0))
+    for _ in range(3000):  # past the ramp: the steady state of the whole share
+        other.give("a")
+        other.take(["a"])
+    other.loads(["a"])
+    assert other.cap("a") == steady[0.9]
+    mine.grow(0.2, ["a", "b"])  # back to what it held: no room is empty, the steady state's slots
+    other.loads(["a", "b"])
+    assert other.held == 0.2 and other.cap("a") == other.cap("b") == steady[0.2]
+    mine.set_share(1.0)  # the evaluation is over: a plain share again
+    other.loads(["a"])
+    assert other.held is None and other.cap("a") == steady[1.0]
+    # Growing to no more than it holds adds nothing: a plain share, no clock restarted.
+    mine.set_share(0.5)
+    mine.grow(0.4, ["a", "b"])
+    other.loads(["b"])
+    assert other.held is None and other.share == 0.4
+
+
+def test_requests_held_at_the_steady_state_against_a_monte_carlo():
+    """`steady_requests_later` (what `grow`'s ramp takes the requests already running to hold
+    later) against a Monte Carlo draw: requests size-biased by their length, uniformly far
+    through it, followed t tokens on: the share still running and the KV they hold."""
+    import numpy as np
+
+    from megatron_rl.rollout.admission import steady_requests_later
+
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.rint(np.exp(np.log(4096) + 0.84 * rng.standard_normal(20_000))), 1, 16384)
+    stats = LengthStats.of([512] * len(lengths), lengths.astype(int).tolist())
+    dt = stats.longest() / 256
+    ages = np.arange(256) * dt
+    R, H = steady_requests_later(stats.survival(ages), ages, 512.0)
+    assert H[0] == pytest.approx(stats.kv_per_request()[0], rel=0.01)
+    # The draw: 400,000 requests running at a random moment of refilled slots.
+    l = rng.choice(lengths, size=400_000, p=lengths / lengths.sum())
+    a = rng.uniform(0, 1, size=l.size) * l
+    for t in (0, 1000, 4000, 8000, 12000):
+        i = int(round(t / dt))
+        alive = a + ages[i] < l
+        assert R[i] == pytest.approx(alive.mean(), abs=0.01), t
+        assert H[i] == pytest.approx(np.where(alive, 512 + a + ages[i], 0).mean(), rel=0.02, abs=30), t
+
+
+def test_the_evaluation_ends_sooner_where_its_added_room_follows_a_ramp():
+    """One server through a step beside an evaluation (the 30B shape of benchmarks/bench_fleet.py:
+    pool 2 M tokens, max_running_requests 1,024; training's 1,024 requests at 0.8 of it, the
+    evaluation's 960 at 0.2; 512-token prompts, lognormal responses, median 4,096, sigma 0.84, cut
+    at 16,384; every running sequence decoding 64 tokens a tick), the `Follower` giving the
+    evaluation the room training's tail leaves: taken with `grow` (a ramp there), the evaluation
+    ends >= 3 % sooner than at the steady state's slots of its share (`set_share`, the rule
+    before), training's step the same, and the pool, as the room fills, stays under 0.95 full."""
+    import numpy as np
+
+    from megatron_rl.rollout.evaluation import Follower
+
+    def step(seed: int, grow: bool) -> tuple[int, int, float]:
+        rng = np.random.default_rng(seed)
+        draw = lambda k: np.clip(np.rint(np.exp(np.log(4096) + 0.84 * rng.standard_normal(k))), 1, 16384)  # noqa: E731
+        seen = draw(8192).astype(int).tolist()
+        kv = ServerKV(2_000_000, 1024)
+        train, evaluation = FleetBudget.local(174, kv={"a": kv}), FleetBudget.local(174, kv={"a": kv})
+        for b in (train, evaluation):
+            b.observe([512] * len(seen), seen)
+        train.set_share(0.8)
+        evaluation.set_share(0.2)
+
+        class SteadySlots:  # the rule before: the share grows, its slots the steady state's
+            def grow(self, share, urls):
+                evaluation.set_share(share)
+
+        lengths = {False: draw(1024), True: draw(960)}  # training's, the evaluation's
+        budgets, sent = {False: train, True: evaluation}, {False: 0, True: 0}
+        generated = [False]
+        look = Follower(evaluation if grow else SteadySlots(), train, ["a"], 0.2, lambda: generated[0])
+        ages, ends, kind = np.zeros(0), np.zeros(0), np.zeros(0, bool)
+        tick, grown, ended, fill = 0, None, {}, []
+        while len(ended) < 2:
+            if look() > 0.2 and grown is None:
+                grown = tick
+            for k in (False, True):
+                while sent[k] < len(lengths[k]) and budgets[k].take(["a"]) == "a":
+                    ages, ends, kind = np.append(ages, 0), np.append(ends, lengths[k][sent[k]]), np.append(kind, k)
+                    sent[k] += 1
+            fill.append((512 + ages).sum() / kv.pool)
+            ages, tick = ages + 64, tick + 1
+            over = ages >= ends
+            for k in kind[over]:
+                budgets[bool(k)].give("a")
+            ages, ends, kind = ages[~over], ends[~over], kind[~over]
+            for k in (False, True):
+                if k not in ended and sent[k] == len(lengths[k]) and not (kind == k).any():
+                    ended[k] = tick
+                    generated[0] = generated[0] or not k
+        assert grown is not None
+        return ended[False], ended[True], max(fill[grown:])
+
+    for seed in range(3):
+        (t0, e0, _), (t1, e1, peak) = step(seed, False), step(seed, True)
+        assert t1 == t0 and e1 <= 0.97 * e0 and peak <= 0.95, (seed, (t0, e0), (t1, e1, peak))
