@@ -39,8 +39,9 @@ and the share mode as built (rollout/evaluation.py): training's budget set to 1 
 the evaluation's to EVAL_SHARE with `FleetBudget.set_share`, the evaluation's following the room
 training leaves (`follow_training`, synchronous training: the tail of the step, the learner's
 time) by `FleetBudget.grow` (a ramp in that room), the next push waiting for it; and the same
-requests with that room at the steady state's slots of the share (the rule before `grow`). A step there is its generation, the learner's time L and
-the wait at the push: max(generation + L, evaluation), against generation + L alone; reported for
+requests with that room at the steady state's slots of the share (the rule before `grow`). A step
+there is its generation, the learner's time L and the wait at the push: max(generation + L,
+evaluation), against generation + L alone; reported for
 L = 0 (no learner time: the worst case), 0.35 (the 2 + 1 layout of docs/cluster.md: 260 s of
 learner time per 500-770 s of generation), 0.5 and 1 x the generation time of a step alone (the
 evaluation's end does not depend on L, so one round gives all four).
@@ -547,7 +548,7 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
             ("2 servers: training alone", "two alone"), ("2 servers: eval holds 1 server", "two hold"),
             (f"2 servers: eval {EVAL_SHARE:.0%} of every KV", "two share"),
             (f"2 servers: eval.share={EVAL_SHARE:g} (built)", "two built"),
-            ("  the same, added room at steady slots", "two built steady")]
+            (f"  eval.share={EVAL_SHARE:g}, added room steady", "two built steady")]
     for label, key in rows:
         if key not in res:
             continue
@@ -573,13 +574,14 @@ def report(name: str, shape: dict, rate: float, res: dict) -> None:
         L = frac * a
         hold = (res["two hold"]["wall"] + L) / (a + L)  # the held server's evaluation never delays a push
         res["two hold"]["step_ratio"][frac] = hold
-        line = f"  a whole step (generation + learner L = {frac:g} x {a:.1f} s + the push's wait for the evaluation): " \
-               f"{hold:.3f}x holding 1 server"
+        line = (f"  a whole step (generation + learner L = {frac:g} x {a:.1f} s + the push's wait for the "
+                f"evaluation): {hold:.3f}x holding 1 server")
         for k in shares:
             r = res[k]
-            res[k]["step_ratio"][frac] = max(r["wall"] + L, r["eval_wall"]) / (a + L)
-            line += (f", {res[k]['step_ratio'][frac]:.3f}x eval.share={EVAL_SHARE:g}" + (" (added room at steady slots)"
-                     if k.endswith("steady") else "") + f" (push waits {max(0.0, r['eval_wall'] - r['wall'] - L):.1f} s)")
+            r["step_ratio"][frac] = max(r["wall"] + L, r["eval_wall"]) / (a + L)
+            steady = " (added room at steady slots)" if k.endswith("steady") else ""
+            line += (f", {r['step_ratio'][frac]:.3f}x eval.share={EVAL_SHARE:g}{steady} "
+                     f"(push waits {max(0.0, r['eval_wall'] - r['wall'] - L):.1f} s)")
         print(line)
 
 

@@ -29,9 +29,9 @@ step's requests are all admitted training's slots only fall, and nothing of trai
 server before the push, so the tail of the step (a cache emptying as its last responses finish),
 the learner's time (log-probs, the update) and any wait at the push are the evaluation's. That
 room is empty as the evaluation takes it, so its slots there follow a step's ramp
-(`FleetBudget.grow`), not the steady state's count. Asynchronously the producer may send at any time, so the evaluation keeps f
-throughout. Fleet.sync_weights reports `time/eval_wait` (what the push waited) and
-`weight_sync/groups_formed` with eval.servers > 0.
+(`FleetBudget.grow`), not the steady state's count. Asynchronously the producer may send at any
+time, so the evaluation keeps f throughout. Fleet.sync_weights reports `time/eval_wait` (what the
+push waited) and `weight_sync/groups_formed` with eval.servers > 0.
 
 Why the automatic choice: holding N of S servers makes a step beside the evaluation take about
 S / (S - N) of one without. N <= MAX_HELD x S keeps that within 1.25x, and whole servers keep the
@@ -115,7 +115,7 @@ class Follower:
     until the next push, which waits for the evaluation), so the room given to the evaluation is
     room training has no use for: the tail of its step, the learner's time, the wait at the push.
     That room is empty as it is given, so the evaluation takes it with `FleetBudget.grow`: its
-    slots there follow a ramp, as a step's fill an empty cache (rollout/admission.py), not the
+    slots there follow a ramp, as a step's requests fill an empty cache (rollout/admission.py), not the
     steady state's count, which would leave it part empty while its first requests are young.
     Until training has filled its room on a server (its step's requests still arriving: a ramp,
     not a tail) or its generation is over (`generated()`), the evaluation keeps `share`. DAPO's
