@@ -24,6 +24,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -153,7 +154,29 @@ def server_environment(environ: Mapping[str, str], extra: Mapping[str, str] | No
     return env
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Where a server's HTTP port is drawn: under the kernel's ephemeral range (Linux's default starts at
+# 32768), so that no outgoing connection or bind(0) of another process takes it in the seconds the
+# server imports before it binds (it did: a CI run's reward server found its port taken and died
+# at warm-up), and under SGLang's own draw for its NCCL port (22000-29999).
+LISTEN_PORTS = (12000, 21999)
+BIND_RETRIES = 3  # starts on a new port when a server finds its own taken (`wait_healthy`)
+BIND_FAILED = b"address already in use"  # uvicorn's log line when it cannot bind its port
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port free now for a server to listen on, drawn at random from LISTEN_PORTS (under the
+    kernel's ephemeral range where /proc says where it starts); the kernel's choice when none of
+    `attempts` draws is free."""
+    low, high = LISTEN_PORTS
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    if high - low + 1 >= attempts:
+        for port in random.sample(range(low, high + 1), attempts):
+            if _port_free(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -191,6 +214,7 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self._log_file = None
+        self._log_start = 0  # the log offset where the latest start's lines begin
 
     @property
     def url(self) -> str:
@@ -237,6 +261,7 @@ class SGLangServer:
                              f"on {self.url} at {time.strftime('%F %T')}: {' '.join(self.command())}\n"
                              .encode())
         self._log_file.flush()
+        self._log_start = self._log_file.tell()  # where this start's own lines begin
         # A process group of its own: a terminal's Ctrl-C (SIGINT to the foreground group) reaches
         # the trainer, which stops at the step's end and then stops its servers; a server that got
         # the SIGINT too would die under the step (`--exit-with-parent` covers the trainer's death).
@@ -252,9 +277,22 @@ class SGLangServer:
         return self.is_alive() and http_ok(self.url + "/health", timeout)
 
     def wait_healthy(self, timeout: float | None = None) -> None:
-        """Block until the server answers /health_generate (it has run a real forward)."""
-        deadline = time.monotonic() + (self.config.startup_timeout if timeout is None else timeout)
+        """Block until the server answers /health_generate (it has run a real forward). A server
+        that finds its port taken when it binds (another process took it while it imported) is
+        stopped and started again on a new port, up to BIND_RETRIES times (its URL changes)."""
+        limit = self.config.startup_timeout if timeout is None else timeout
+        deadline, moves = time.monotonic() + limit, 0
         while time.monotonic() < deadline:
+            if moves < BIND_RETRIES and self._bind_failed():
+                moves += 1
+                old = self.port
+                self._kill_group()  # it serves nothing; SIGTERM there waits out stop_timeout
+                self.port = free_port(self.config.host)
+                logger.warning("server %d: port %d was taken before it could bind it; starting it again on %d",
+                               self.index, old, self.port)
+                self.start()
+                deadline = time.monotonic() + limit
+                continue
             if not self.is_alive():
                 raise ServerStartError(
                     f"server {self.index} ({self.url}) exited with code {self.proc.returncode} "
@@ -265,6 +303,15 @@ class SGLangServer:
         raise ServerStartError(f"server {self.index} ({self.url}) not healthy after "
                                f"{timeout or self.config.startup_timeout:.0f}s; last log lines:\n"
                                f"{self.log_tail()}")
+
+    def _bind_failed(self) -> bool:
+        """Whether this start's log says its HTTP port was taken when it bound it."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                return BIND_FAILED in f.read()
+        except OSError:
+            return False
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -295,6 +342,16 @@ class SGLangServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def _kill_group(self) -> None:
+        """SIGKILL the server's whole process group (its own: `start`), and close its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self._close_log()
 
     def restart(self, wait: bool = True) -> None:
         self.stop()

@@ -323,3 +323,29 @@ def test_killed_server_mid_generation(moe):
                         return_routed_experts=True)
     assert all(r.routed_experts.shape[0] == r.num_response_tokens for row in out2 for r in row)
 
+
+
+def test_a_server_whose_port_is_taken_while_it_starts_moves_to_another(dense, tmp_path):
+    """A port drawn free can be taken in the seconds a server imports before it binds it (another
+    process's bind or outgoing connection: a CI run lost a reward server so). `wait_healthy` sees
+    the bind fail in this start's log, stops the server and starts it again on a new port, where it
+    serves; its URL is the new one."""
+    import socket
+
+    from megatron_rl.rollout.server import BIND_FAILED, LISTEN_PORTS, SGLangServer, free_port, http_ok
+
+    ckpt, _ = dense
+    port = free_port()
+    server = SGLangServer(0, ServerConfig(model_path=str(ckpt), max_total_tokens=4096), port, tmp_path / "s.log")
+    server.start()
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+            squatter.bind(("127.0.0.1", port))  # taken while the server imports
+            squatter.listen()
+            server.wait_healthy()
+        assert server.port != port and LISTEN_PORTS[0] <= server.port <= LISTEN_PORTS[1]
+        assert server.url.endswith(f":{server.port}") and http_ok(server.url + "/health_generate", 30)
+        log = (tmp_path / "s.log").read_bytes()
+        assert log.count(b"===== megatron-rl: start") == 2 and log.count(BIND_FAILED) == 1
+    finally:
+        server.stop()

@@ -91,3 +91,22 @@ def test_a_cpu_server_s_openmp_threads_sleep_unless_chosen():
     assert server_environment({"OMP_WAIT_POLICY": "ACTIVE"}, device="cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert server_environment({}, {"OMP_WAIT_POLICY": "ACTIVE"}, device="cpu")["OMP_WAIT_POLICY"] == "ACTIVE"
     assert "OMP_WAIT_POLICY" not in server_environment({}, device="cuda")
+
+
+def test_a_servers_port_is_drawn_under_the_ephemeral_range():
+    """`free_port`: a server's HTTP port comes from LISTEN_PORTS, under the kernel's ephemeral range
+    (which bind(0) and outgoing connections draw from) and under SGLang's own draw for its NCCL
+    port (22000-29999), free when drawn, at random (servers started together rarely draw alike)."""
+    import socket
+
+    from megatron_rl.rollout.server import LISTEN_PORTS, free_port
+
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 32768  # Linux's default
+    ports = [free_port() for _ in range(50)]
+    high = min(LISTEN_PORTS[1], ephemeral - 1)
+    assert all(LISTEN_PORTS[0] <= p <= high < 22000 for p in ports), ports
+    assert len(set(ports)) >= 45
+    for p in ports[:5]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
