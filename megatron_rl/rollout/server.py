@@ -1,11 +1,14 @@
 """SGLang server lifecycle: launch N servers, wait for health, capture logs, restart the dead.
 
 Each server is one `python -m megatron_rl.rollout.launch_server ...` process (SGLang's own HTTP
-server with this project's patches applied in all its processes), on its own free port, with its
-stdout+stderr appended to `<log_dir>/server<i>.log`. A server is stopped by SIGTERM to its main
-process only, then SIGKILL to that process if it has not exited after `stop_timeout`: SGLang's
-main process takes its scheduler/detokenizer children down itself, and signalling the whole
-process group would send it down its crash path instead. Processes are never looked up by name.
+server with this project's patches applied in all its processes), on its own free port (drawn
+under the kernel's ephemeral range: `free_port`), with its stdout+stderr appended to
+`<log_dir>/server<i>.log`. A server is stopped by SIGTERM to its main process only, then SIGKILL
+to that process if it has not exited after `stop_timeout`: SGLang's main process takes its
+scheduler/detokenizer children down itself, and signalling the whole process group would send it
+down its crash path instead. The exception is a start whose port was taken before it could bind
+it: it serves nothing, so its group is killed and it starts again on a new port (`wait_healthy`).
+Processes are never looked up by name.
 
 On CPU (`device="cpu"`) SGLang runs with `SGLANG_USE_CPU_ENGINE=1` and patches/sglang_cpu.py;
 on GPU (`device="cuda"`) the same command runs with `--device cuda`, no CPU patches, and
