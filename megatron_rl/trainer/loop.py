@@ -358,7 +358,7 @@ class Trainer:
         return self.ops.checkpointer.save(self.learner, self.step, state, others=self._others(), extra=write_extra)
 
     def close(self) -> None:
-        self.source.stop(timeout=10 if self.interrupted else 120)
+        self.source.stop(timeout=0 if self.interrupted else 120)  # (interrupted: waited for in _stop_mid_step)
         if self.fleet is not None:
             self.fleet.close()
         if hasattr(self.reward_model, "close"):

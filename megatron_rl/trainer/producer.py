@@ -158,16 +158,19 @@ class Producer:
 
     def stop(self, abort: Optional[Callable[[], None]] = None, timeout: float = 120.0) -> None:
         """Start no new target; `abort()` (if given) cuts the target being made (a run that stops
-        early, e.g. on SIGTERM, need not wait for generation it will not train on)."""
+        early, e.g. on SIGTERM, need not wait for generation it will not train on). Waits at most
+        `timeout` in all for the thread and its workers (a thread held in something no abort
+        reaches, a reward function's, is left to end with the process: they are daemons)."""
         with self._cond:
             self._stopping = True
             busy = bool(self._busy)
             self._cond.notify_all()
         if busy and abort is not None:
             abort()
+        deadline = time.monotonic() + timeout
         for t in [self._thread, *self._workers]:
             if t is not None and t is not threading.current_thread():
-                t.join(timeout)
+                t.join(max(0.0, deadline - time.monotonic()))
 
     # -- thread ---------------------------------------------------------------------------------
     def _admitted(self) -> bool:

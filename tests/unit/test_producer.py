@@ -261,3 +261,28 @@ def test_overlap_refuses_a_second_draw():
     with pytest.raises(ProducerStopped, match="drew prompts twice"):
         p.get(0)
     p.stop()
+
+
+def test_stop_waits_its_timeout_in_all_not_per_thread():
+    """A stop's `timeout` bounds its whole wait: two overlapping targets held where no abort
+    reaches (a reward function's sleep) cost one timeout, not one per thread, and the run goes on
+    without them (daemon threads)."""
+    hold = threading.Event()
+    both = threading.Event()
+    p = Producer(lambda target, s: produce(target, s), stream(), 1, last_target=1, overlap=True)
+
+    def produce(target, s):
+        s.take(3)
+        if len(p._busy) == 2:
+            both.set()
+        hold.wait(30)
+        return target, {}
+
+    p.start(0, published=0)
+    assert both.wait(5) and len([w for w in p._workers if w.is_alive()]) == 2
+    start = time.monotonic()
+    p.stop(timeout=0.5)
+    waited = time.monotonic() - start
+    assert 0.45 <= waited < 0.8, waited
+    assert all(w.daemon for w in p._workers)
+    hold.set()
