@@ -283,6 +283,6 @@ def test_stop_waits_its_timeout_in_all_not_per_thread():
     start = time.monotonic()
     p.stop(timeout=0.5)
     waited = time.monotonic() - start
-    assert 0.45 <= waited < 0.8, waited
+    assert 0.45 <= waited < 0.95, waited  # one timeout (0.5 s) under load; two would be >= 1.0 s
     assert all(w.daemon for w in p._workers)
     hold.set()
